@@ -1,0 +1,43 @@
+"""Orthonormal Walsh–Hadamard matrices, whole or block-diagonal.
+
+Sylvester construction for powers of two; for other sizes a block-diagonal matrix of the largest
+power-of-two block that divides n (QuaRot and QuEST use the same trick). A dense matmul with a
+precomputed H is faster on CPU than a Python-loop butterfly at the sizes used here
+(dependencies.md §2), so that is what callers do.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+
+def largest_pow2_divisor(n: int, cap: int | None = None) -> int:
+    b = n & -n
+    return min(b, cap) if cap else b
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard64(n: int) -> Tensor:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {n}")
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < n:
+        H = torch.cat((torch.cat((H, H), 1), torch.cat((H, -H), 1)), 0)
+    return H / H.shape[0] ** 0.5
+
+
+def hadamard(n: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Orthonormal n×n Hadamard (H Hᵀ = I); n a power of two."""
+    return _hadamard64(n).to(dtype)
+
+
+def block_hadamard(n: int, block: int | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Block-diagonal orthonormal Hadamard of size n with blocks of `block` (default: the largest
+    power of two dividing n). Orthonormal for every n."""
+    block = block or largest_pow2_divisor(n)
+    if n % block:
+        raise ValueError(f"block {block} does not divide {n}")
+    return torch.block_diag(*[hadamard(block, torch.float64)] * (n // block)).to(dtype)

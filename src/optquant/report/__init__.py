@@ -1,0 +1,129 @@
+"""The study report: the paper's Tables 2/3/4/10 and Figs. 1–4 rebuilt from a study's saved files.
+
+`render_report(study_dir)` writes STUDY_DIR/report/index.html and report/figures/*.png, a self-contained
+page (inline CSS, relative image paths) with the paper's numbers (reference/paper.md §10) in separate
+"paper" tables beside ours and a claims table that says where this study agrees. `report_markdown` gives
+the headline tables as markdown. Both read only files (load.py), so a report rebuilds without retraining,
+and a stage the study did not run shows "not run in this study" instead of failing.
+
+Left out on purpose: anything that needs a model or a GPU; the report never recomputes a metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from html import escape
+from pathlib import Path
+
+from optquant.report import curves, figures, paper
+from optquant.report.claims import claims_table
+from optquant.report.html import Section, page
+from optquant.report.load import StudyData, fmt_count, load_study
+from optquant.report.tables import (
+    correlation_table,
+    cost_table,
+    paper_table,
+    paper_values_table,
+    table2,
+    table3,
+    table3_schemes,
+    table4,
+    table10,
+    table10_joint,
+    to_markdown,
+)
+
+__all__ = ["render_report", "report_markdown"]
+
+log = logging.getLogger(__name__)
+
+CAVEAT = (
+    "Read the comparison with the paper as qualitative. The paper trains 50M–1.5B-parameter OLMo2 models on "
+    "ClimbMix and scores zero-shot accuracy (PIQA, HellaSwag, ARC-Easy); this study's models are far smaller "
+    "and its main score is validation loss (lower is better), with a small built-in multiple-choice task "
+    "where present. Cells labelled “paper” are the paper's reported numbers (reference/paper.md §10), shown "
+    "for orientation only. Δ always means quantized − full precision."
+)
+
+
+def _sections(d: StudyData, fig_dir: Path) -> list[Section]:
+    scheme = d.paper_scheme()
+    other = [table3(d, s) for s in d.schemes("cl") if s != scheme]
+    corr_paper = paper_values_table(
+        "paper-corr", "Fig. 1 correlations at 760M (vs post-PTQ accuracy)", paper.CORRELATIONS_760M,
+        paper.CORRELATIONS_SOURCES, "ρ",
+    )
+    timing = paper_values_table("paper-timing", "Table 9 step time at 760M (s)", paper.TIMING_760M,
+                                paper.TIMING_SOURCES, "s / step")
+    return [
+        Section("fp", "Full-precision baselines (Table 2)",
+                "Each optimizer's LR sweep per size; the best LR is chosen by final validation loss.",
+                ((table2(d), paper_table(paper.TABLE2_ACC, "paper-t2")),
+                 curves.fig_lr_sweeps(d, fig_dir), curves.fig_training_curves(d, fig_dir),
+                 (cost_table(d), timing))),
+        Section("ptq", "Post-training quantization at the Common Loss (Table 3)",
+                "Every optimizer's model is taken at the first checkpoint reaching the size's common "
+                "validation loss, then quantized; lower Δ val loss means more robust.",
+                ((table3(d, scheme) if scheme else table3(d, "w4a4-rtn"),
+                  paper_table(paper.TABLE3_PTQ_ACC, "paper-t3")), table3_schemes(d), *other)),
+        Section("outliers", "Outlier metrics vs PTQ damage (Figs. 1–2)",
+                "Do MMR, kurtosis or R_L predict which model is hurt most by quantization?",
+                (figures.fig1_damage_vs_metrics(d, fig_dir), (correlation_table(d), corr_paper),
+                 figures.fig2_mmr_vs_lr(d, fig_dir))),
+        Section("abc", "Error propagation: the ABC decomposition (Figs. 3–4)",
+                "R = A + B + C per module: A is the error carried in from earlier layers, B the error this "
+                "module adds, C their interaction; G = A / R_in is the module's gain.",
+                (figures.fig3_abc(d, fig_dir), figures.fig4_gains(d, fig_dir))),
+        Section("qat", "Quantization-aware training (Table 4)",
+                "QuEST W4A4 trained from scratch at each optimizer's best full-precision LR.",
+                ((table4(d), paper_table(paper.TABLE4_QAT_ACC, "paper-t4"),
+                  paper_table(paper.TABLE4_QAT_REL, "paper-t4rel")),)),
+        Section("scaling", "Scaling laws and 4-bit parameter efficiency (Table 10)",
+                "ρ_4bit < 1 means a 4-bit QAT model with N parameters is worth a ρ·N-parameter FP model.",
+                ((table10(d), paper_table(paper.TABLE10_FITS, "paper-t10")), table10_joint(d),
+                 curves.fig_scaling(d, fig_dir))),
+        Section("claims", "Paper claims vs this study", "Computed from the tables and figures above.",
+                (claims_table(d),)),
+    ]
+
+
+def _header(d: StudyData) -> str:
+    r = d.results
+    kinds = ", ".join(f"{k}: {r.loc[r['kind'] == k, 'run_id'].nunique()}" for k in ("fp", "cl", "qat"))
+    sizes = ", ".join(f"{s} ({fmt_count(d.n_params.get(s))})" for s in d.sizes) or "none"
+    opts = ", ".join(d.label(o) for o in d.optimizers) or "none"
+    schemes = ", ".join(d.schemes("cl")) or "none"
+    return (
+        f'<p class="meta">Study directory: <code>{escape(str(d.root))}</code> · runs by kind: {kinds} · '
+        f"sizes (parameters): {escape(sizes)} · optimizers: {escape(opts)} · PTQ schemes: "
+        f'{escape(schemes)}</p>\n<div class="caveat">{escape(CAVEAT)}</div>'
+    )
+
+
+def render_report(study_dir: str | Path) -> Path:
+    """Write STUDY_DIR/report/index.html (+ report/figures/*.png) and return the HTML path."""
+    d = load_study(study_dir)
+    out = d.root / "report"
+    fig_dir = out / "figures"
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    for stale in fig_dir.glob("*.png"):  # a rebuilt report must not show figures of an earlier build
+        stale.unlink()
+    title = f"optquant report — {d.spec.get('name') or d.root.name}"
+    text = page(title, _header(d), _sections(d, fig_dir), d.spec)
+    path = out / "index.html"
+    tmp = path.with_suffix(".html.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    log.info("report written to %s", path)
+    return path
+
+
+def report_markdown(study_dir: str | Path) -> str:
+    """The headline tables (2, 3, 4, 10) and the claims check as markdown."""
+    d = load_study(study_dir)
+    scheme = d.paper_scheme()
+    tables = [table2(d), table3(d, scheme or "w4a4-rtn"), table3_schemes(d), table4(d), table10(d)]
+    tables += [table10_joint(d), claims_table(d)]
+    head = f"## optquant study {d.spec.get('name') or d.root.name}\n\n_{CAVEAT}_\n"
+    return "\n".join([head, *(to_markdown(t) for t in tables)])

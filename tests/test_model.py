@@ -1,0 +1,96 @@
+"""Model tests: the architecture's defining properties, checked directly rather than by snapshot.
+
+Causality by perturbing future tokens; preset parameter counts against closed-form formulas; weight
+tying by identity and by gradient flow; the OLMo2 block's post-norm and QK-norm by construction.
+"""
+
+import math
+
+import pytest
+import torch
+
+from optquant.model import LM, PRESETS, ModelConfig, count_params, lm_loss, model_config
+
+
+def _closed_form_params(cfg: ModelConfig) -> tuple[int, int]:
+    d, kv = cfg.d_model, cfg.n_kv_head * cfg.head_dim
+    attn = 2 * d * d + 2 * d * kv
+    mlp = (3 if cfg.arch == "llama" else 2) * d * cfg.mlp_hidden
+    norms = 2 * d
+    qk = cfg.n_head if cfg.arch == "olmo2" else 0
+    blocks = cfg.n_layer * (attn + mlp + norms + qk)
+    emb = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    return blocks + d + emb, blocks + d
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "llama"])
+def test_causality(arch):
+    torch.manual_seed(0)
+    model = LM(model_config("nano", arch=arch, vocab_size=50, seq_len=16, n_kv_head=1)).eval()
+    idx = torch.randint(0, 50, (2, 16))
+    changed = idx.clone()
+    changed[:, 9:] = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    assert torch.equal(a[:, :9], b[:, :9])
+    assert not torch.allclose(a[:, 9:], b[:, 9:])
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_preset_param_counts(preset):
+    cfg = model_config(preset)
+    with torch.device("meta"):
+        model = LM(cfg)
+    total, non_emb = _closed_form_params(cfg)
+    assert count_params(model) == total
+    assert count_params(model, embeddings=False) == non_emb
+    if preset[0].isdigit():  # the paper sizes: every linear input dimension a multiple of 128
+        assert cfg.d_model % 128 == 0 and cfg.mlp_hidden % 128 == 0
+        nominal = {"m": 1e6, "b": 1e9}[preset[-1]] * float(preset[:-1])
+        assert 0.8 < total / nominal < 1.1, (preset, total)
+
+
+def test_untied_llama_counts_head():
+    cfg = model_config("nano", arch="llama", tie_embeddings=False)
+    model = LM(cfg)
+    assert model.lm_head.weight is not model.embed.weight
+    assert count_params(model) == _closed_form_params(cfg)[0]
+
+
+def test_tied_weights_share_storage_and_gradient():
+    torch.manual_seed(0)
+    model = LM(model_config("nano", vocab_size=40, seq_len=8))
+    assert model.lm_head.weight is model.embed.weight
+    x = torch.randint(0, 40, (2, 8))
+    lm_loss(model, x, x).backward()
+    # the embedding gradient includes the head's contribution: rows of unseen tokens still get gradient
+    unseen = sorted(set(range(40)) - set(x.flatten().tolist()))
+    assert model.embed.weight.grad[unseen].abs().sum() > 0
+
+
+def test_init_and_qk_scale():
+    torch.manual_seed(0)
+    cfg = model_config("micro")
+    model = LM(cfg)
+    w = model.blocks[0].mlp.inner.up_proj.weight
+    assert abs(w.std().item() - 0.02) < 0.002
+    scale = model.blocks[0].attn.inner.qk_scale
+    assert scale.shape == (1, cfg.n_head, 1, 1)
+    assert torch.allclose(scale, torch.full_like(scale, math.sqrt(cfg.head_dim)))
+
+
+def test_post_norm_block_output_is_normalised_before_residual():
+    torch.manual_seed(0)
+    model = LM(model_config("nano", seq_len=8))
+    sub = model.blocks[0].mlp
+    x = 10 * torch.randn(2, 8, 64)  # large enough that RMSNorm's eps is negligible
+    delta = sub(x) - x
+    rms = delta.pow(2).mean(-1).sqrt()
+    assert torch.allclose(rms, torch.ones_like(rms), atol=1e-3)  # RMSNorm with unit gain
+
+
+def test_bad_model_config():
+    with pytest.raises(ValueError, match="divisible"):
+        LM(ModelConfig(d_model=100, n_head=3))
+    with pytest.raises(ValueError, match="unknown model preset"):
+        model_config("huge")
