@@ -1,0 +1,160 @@
+"""Checkpoints and results written atomically, in safetensors (never pickle).
+
+A training checkpoint is ONE safetensors file: the model's tensors under `model.`, every nested tensor of
+the optimizer states and RNG states under `state.<n>`, and the non-tensor structure (numbers, strings,
+dict keys that are ints) as JSON in the file's metadata. One file means one atomic `os.replace`: a killed
+process leaves either the previous checkpoint or the new one, never half of each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from optquant.errors import OptquantError
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise OptquantError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise OptquantError(f"{path}: not valid JSON ({e})") from None
+
+
+def _flatten(obj: Any, tensors: dict[str, Tensor]) -> Any:
+    """Replace every tensor in a nested structure by a reference; keep key types and tuples."""
+    if isinstance(obj, Tensor):
+        key = f"state.{len(tensors)}"
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        return {"__dict__": [[k, _flatten(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_flatten(v, tensors) for v in obj]}
+    if isinstance(obj, list):
+        return [_flatten(v, tensors) for v in obj]
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    raise TypeError(f"cannot checkpoint a {type(obj).__name__}")
+
+
+def _unflatten(obj: Any, tensors: dict[str, Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__tuple__" in obj:
+            return tuple(_unflatten(v, tensors) for v in obj["__tuple__"])
+        return {k: _unflatten(v, tensors) for k, v in obj["__dict__"]}
+    if isinstance(obj, list):
+        return [_unflatten(v, tensors) for v in obj]
+    return obj
+
+
+def model_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The model's state dict with tied tensors stored once (the first name wins)."""
+    out, seen = {}, set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen and t.numel() > 0:
+            continue
+        seen.add(t.data_ptr())
+        out[name] = t.detach().cpu().contiguous()
+    return out
+
+
+def save_checkpoint(path: Path, model: nn.Module, state: dict[str, Any]) -> None:
+    """Model tensors plus an arbitrary nested `state` (optimizer state dicts, RNG, step) in one file."""
+    tensors: dict[str, Tensor] = {}
+    structure = _flatten(state, tensors)
+    tensors.update({f"model.{k}": v for k, v in model_tensors(model).items()})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    save_file(tensors, tmp, metadata={"structure": json.dumps(structure)})
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        return load_file(str(path)), metadata
+    except FileNotFoundError:
+        raise OptquantError(f"{path}: checkpoint not found") from None
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise OptquantError(f"{path}: truncated or corrupt checkpoint ({e})") from None
+
+
+def load_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
+    """Load model tensors into `model` (strictly) and return the saved `state`."""
+    tensors, metadata = _read(path)
+    load_model_tensors(model, {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, path)
+    if "structure" not in metadata:
+        raise OptquantError(f"{path}: not an optquant training checkpoint (no state metadata)")
+    return _unflatten(json.loads(metadata["structure"]), tensors)
+
+
+def load_model_tensors(model: nn.Module, tensors: dict[str, Tensor], source: Path | str) -> None:
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in tensors and not _is_tied_alias(model, k, tensors)]
+    unexpected = [k for k in tensors if k not in expected]
+    if missing or unexpected:
+        raise OptquantError(
+            f"{source}: weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
+    with torch.no_grad():
+        for name, t in expected.items():
+            if name in tensors:
+                if tensors[name].shape != t.shape:
+                    raise OptquantError(f"{source}: {name} has shape {tuple(tensors[name].shape)}, "
+                                        f"the model expects {tuple(t.shape)}")
+                t.copy_(tensors[name])
+
+
+def _is_tied_alias(model: nn.Module, name: str, tensors: dict[str, Tensor]) -> bool:
+    state = model.state_dict()
+    ptr = state[name].data_ptr()
+    return any(k in tensors and state[k].data_ptr() == ptr for k in state if k != name)
+
+
+def save_weights(path: Path, model: nn.Module, metadata: dict[str, str] | None = None) -> None:
+    """The model's weights alone (final or CL model), atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    save_file(model_tensors(model), tmp, metadata=metadata or {})
+    os.replace(tmp, path)
+
+
+def load_weights(path: Path, model: nn.Module) -> nn.Module:
+    tensors, _ = _read(path)
+    load_model_tensors(model, tensors, path)
+    return model

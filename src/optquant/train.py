@@ -1,0 +1,253 @@
+"""The training loop: train(cfg, run_dir) -> summary, top to bottom.
+
+Follows the authors' code (paper.md §2.3): fp32 master weights, bf16 autocast, random-window batches,
+WSD schedule (5 % linear warm-up from 0.001·lr, constant, last 20 % linear decay to 0) or cosine, no
+gradient clipping, evaluation on a fixed validation set. Beyond it: a checkpoint at every evaluation
+with everything needed to resume *exactly* (on CPU a killed-and-resumed run ends bitwise where an
+uninterrupted one does), a Common Loss checkpoint (the first evaluation at or below
+`train.cl_threshold`), and a NaN/inf loss recorded as a diverged run rather than a crash.
+Distributed data parallel is used when launched under torchrun (WORLD_SIZE > 1).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from optquant import distributed as dist
+from optquant.checkpoint import atomic_write_json, load_checkpoint, save_checkpoint, save_weights
+from optquant.config import RunConfig, TrainConfig
+from optquant.data import check_enough, fixed_batches, get_batch, load_tokens
+from optquant.errors import OptquantError
+from optquant.model import LM, count_params, lm_loss
+from optquant.optim import build_optimizers
+from optquant.runs import read_summary, write_config
+
+log = logging.getLogger(__name__)
+
+
+def state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes held in optimizer state tensors (momenta, preconditioners, ...)."""
+    return sum(t.numel() * t.element_size() for opt in optimizers for st in opt.state.values()
+               for t in st.values() if isinstance(t, torch.Tensor))
+
+
+def lr_multiplier(step: int, total: int, cfg: TrainConfig) -> float:
+    """The schedule's factor on every group's base lr at optimizer step `step` (0-based)."""
+    warmup = round(total * cfg.warmup_frac)
+    if step < warmup:
+        return 0.001 + (1 - 0.001) * step / warmup
+    if cfg.schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+    decay = round(total * cfg.decay_frac)
+    if step >= total - decay:
+        return (total - step) / decay
+    return 1.0
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """`auto`: bf16 autocast where the hardware has fast bf16 matmuls (AVX512-BF16/AMX, CUDA bf16)."""
+    if precision != "auto":
+        return precision == "bf16"
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def total_steps(cfg: RunConfig, model: nn.Module) -> int:
+    if cfg.train.steps > 0:
+        return cfg.train.steps
+    n = count_params(model, embeddings=cfg.train.budget_params == "total")
+    return max(1, math.ceil(cfg.train.tokens_per_param * n / (cfg.train.batch_size * cfg.model.seq_len)))
+
+
+def autocast(device: torch.device, bf16: bool):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list, device: torch.device, bf16: bool) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with autocast(device, bf16):
+            total += lm_loss(model, x.to(device), y.to(device)).item()
+    model.train(was_training)
+    return total / len(batches)
+
+
+def rng_state(generator: torch.Generator) -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "data": generator.get_state(),
+            "python": list(random.getstate()[1]) + [random.getstate()[2]],
+            "numpy": list(np.random.get_state()[1].tolist()) + [int(np.random.get_state()[2])]}
+
+
+def set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["data"])
+    py = state["python"]
+    random.setstate((3, tuple(py[:-1]), py[-1]))
+    npy = state["numpy"]
+    np.random.set_state(("MT19937", np.array(npy[:-1], dtype=np.uint32), npy[-1]))
+
+
+def build_model(cfg: RunConfig) -> nn.Module:
+    model = LM(cfg.model)
+    if cfg.qat is not None:
+        from optquant.quant.qat import prepare_qat_
+
+        prepare_qat_(model, cfg.qat)
+    return model
+
+
+def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """Train one run in `run_dir`, resuming from its checkpoint if there is one; returns the summary."""
+    run_dir = Path(run_dir)
+    if (done := read_summary(run_dir)) is not None:
+        return done
+    ctx = dist.setup()
+    device = ctx.device
+    if ctx.rank == 0:
+        write_config(run_dir, cfg)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    tc = cfg.train
+    if tc.batch_size % (tc.grad_accum * ctx.world_size):
+        raise OptquantError(f"train.batch_size={tc.batch_size} is not divisible by grad_accum×processes "
+                            f"= {tc.grad_accum}×{ctx.world_size}")
+    micro = tc.batch_size // (tc.grad_accum * ctx.world_size)
+    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    check_enough(data.train, micro, cfg.model.seq_len, "train")
+    check_enough(data.val, micro, cfg.model.seq_len, "val")
+    model = build_model(cfg).to(device)
+    optimizers = build_optimizers(model, cfg.optim)
+    ddp_model = ctx.wrap(model)
+    steps = total_steps(cfg, model)
+    bf16 = use_bf16(tc.precision, device)
+    val = fixed_batches(data.val, tc.eval_batches, micro, cfg.model.seq_len, seed=cfg.seed + 12345)
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + ctx.rank)
+    state = {"step": 0, "best_val": math.inf, "cl_step": None, "train_time": 0.0, "timed_steps": 0}
+    ckpt = run_dir / "checkpoint.safetensors"
+    if ckpt.exists():
+        saved = load_checkpoint(ckpt, model)
+        for opt, opt_state in zip(optimizers, saved["optimizers"], strict=True):
+            opt.load_state_dict(opt_state)
+        set_rng_state(saved["rng"][ctx.rank] if isinstance(saved["rng"], list) else saved["rng"], gen)
+        state = saved["loop"]
+        log.info("resumed %s at step %d", run_dir.name, state["step"])
+    if ctx.rank == 0:
+        _truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+    info = {"n_params": count_params(model), "n_params_non_embedding": count_params(model, False),
+            "total_steps": steps, "bf16": bf16, "tokens_per_step": tc.batch_size * cfg.model.seq_len}
+    status, diverged_step, last_val = "done", None, state.get("last_val")
+    model.train()
+    while state["step"] < steps:
+        step, t0 = state["step"], time.perf_counter()
+        mult = lr_multiplier(step, steps, tc)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["base_lr"] * mult
+        loss_sum = 0.0
+        for i in range(tc.grad_accum):
+            x, y = get_batch(data.train, micro, cfg.model.seq_len, gen)
+            with ctx.no_sync(ddp_model, last=i == tc.grad_accum - 1), autocast(device, bf16):
+                loss = lm_loss(ddp_model, x.to(device), y.to(device)) / tc.grad_accum
+            loss.backward()
+            loss_sum += loss.item()
+        loss_sum = ctx.mean(loss_sum)
+        if not math.isfinite(loss_sum):
+            status, diverged_step = "diverged", step
+            break
+        for opt in optimizers:
+            opt.step()
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        state["train_time"] += time.perf_counter() - t0
+        state["timed_steps"] += 1
+        state["step"] = step + 1
+        if on_step is not None and ctx.rank == 0:
+            on_step({"step": step + 1, "total": steps, "loss": loss_sum, "lr_mult": mult,
+                     "tokens_per_s": info["tokens_per_step"] * state["timed_steps"] / state["train_time"]})
+        if state["step"] % tc.eval_every == 0 or state["step"] == steps:
+            last_val = evaluate(model, val, device, bf16)
+            if not math.isfinite(last_val):
+                status, diverged_step = "diverged", state["step"]
+                break
+            state["best_val"] = min(state["best_val"], last_val)
+            state["last_val"] = last_val
+            if ctx.rank == 0:
+                _eval_record(run_dir, cfg, model, state, loss_sum, mult, last_val)
+                save_checkpoint(ckpt, model, {"optimizers": [o.state_dict() for o in optimizers],
+                                              "rng": rng_state(gen), "loop": state})
+    summary = {
+        "status": status, "diverged_step": diverged_step, "steps": state["step"],
+        "final_val_loss": last_val if status == "done" else None,
+        "best_val_loss": state["best_val"] if math.isfinite(state["best_val"]) else None,
+        "cl_threshold": tc.cl_threshold, "cl_step": state["cl_step"],
+        "optimizer": cfg.optim.name, "lr": cfg.optim.lr, "qat": cfg.qat.method if cfg.qat else None,
+        "optimizer_state_bytes": state_bytes(optimizers),
+        "mean_step_seconds": state["train_time"] / max(1, state["timed_steps"]),
+        **info,
+    }
+    summary["tokens_per_s"] = info["tokens_per_step"] / summary["mean_step_seconds"]
+    if ctx.rank == 0:
+        if status == "done":
+            save_weights(run_dir / "model.safetensors", model)
+        _add_qat_degradation(summary, cfg, run_dir)
+        atomic_write_json(run_dir / "summary.json", summary)
+        ckpt.unlink(missing_ok=True)  # the final weights and summary supersede it
+    dist.teardown(ctx)
+    return summary
+
+
+def _eval_record(run_dir: Path, cfg: RunConfig, model: nn.Module, state: dict, loss: float,
+                 mult: float, val_loss: float) -> None:
+    record = {"step": state["step"], "train_loss": loss, "val_loss": val_loss,
+              "lr": cfg.optim.lr * mult, "tokens": state["step"] * cfg.train.batch_size * cfg.model.seq_len}
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    threshold = cfg.train.cl_threshold
+    if threshold is not None and state["cl_step"] is None and val_loss <= threshold:
+        state["cl_step"] = state["step"]
+        save_weights(run_dir / "cl_model.safetensors", model,
+                     {"step": str(state["step"]), "val_loss": repr(val_loss), "threshold": repr(threshold)})
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop evaluations after the checkpoint we resume from: they will be recomputed identically."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+    path.write_text("".join(ln + "\n" for ln in keep))
+
+
+def _add_qat_degradation(summary: dict, cfg: RunConfig, run_dir: Path) -> None:
+    """For a QAT run whose FP twin (same config, no QAT) is done beside it: the paper's relative gap."""
+    if cfg.qat is None or summary["final_val_loss"] is None:
+        return
+    from dataclasses import replace
+
+    from optquant.runs import run_dir as twin_dir
+
+    twin = read_summary(twin_dir(run_dir.parent, replace(cfg, qat=None)))
+    if twin and twin.get("final_val_loss"):
+        fp, q = twin["final_val_loss"], summary["final_val_loss"]
+        summary["fp_twin_val_loss"] = fp
+        summary["qat_rel_degradation_pct"] = 100 * (q - fp) / fp

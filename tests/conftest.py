@@ -1,0 +1,52 @@
+"""Shared fixtures: a tiny synthetic corpus and a nano run config that trains in seconds on CPU.
+
+Tests never touch $HOME: the token cache and matplotlib's config go to temp dirs.
+"""
+
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+
+os.environ.setdefault("MPLCONFIGDIR", tempfile.mkdtemp(prefix="optquant-mpl-"))
+# Tests use tiny tensors: one thread is faster than two and immune to a busy neighbour.
+torch.set_num_threads(1)
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls sing of rivers and "
+         "mountains under silver moons and golden suns in kingdoms far away").split()
+
+
+def make_corpus(root, n_docs: int = 40, words_per_doc: int = 400, seed: int = 0):
+    """Plain-text documents with learnable structure (a noisy Markov chain over a small vocabulary)."""
+    rng = random.Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for d in range(n_docs):
+        i, out = rng.randrange(len(WORDS)), []
+        for _ in range(words_per_doc):
+            i = (i + 1) % len(WORDS) if rng.random() < 0.8 else rng.randrange(len(WORDS))
+            out.append(WORDS[i])
+        (root / f"doc{d:03d}.txt").write_text(" ".join(out) + ".\n")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("OPTQUANT_CACHE", str(tmp_path_factory.getbasetemp() / "optquant-cache"))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture
+def nano_cfg(corpus):
+    """A RunConfig for a ~100k-parameter model that trains 40 steps in a few seconds."""
+    from optquant.config import apply_overrides, run_preset
+
+    return apply_overrides(run_preset("nano"), [
+        f"data.source={corpus}", "model.vocab_size=320", "model.seq_len=32", "train.batch_size=8",
+        "train.steps=40", "train.eval_every=10", "train.eval_batches=2", "train.precision=fp32",
+    ])

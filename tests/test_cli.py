@@ -1,0 +1,37 @@
+"""CLI tests: the commands a newcomer types, their exit codes and one-line errors."""
+
+import json
+
+import pytest
+
+from optquant.cli import main
+
+
+def test_train_then_skip(corpus, tmp_path, capsys):
+    args = ["train", "--preset", "nano", "--out", str(tmp_path), "--quiet",
+            "--set", f"data.source={corpus}", "--set", "model.vocab_size=320", "--set", "model.seq_len=32",
+            "--set", "train.batch_size=8", "--set", "train.steps=20", "--set", "train.eval_every=10"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out.split("run directory:")[0])
+    assert summary["status"] == "done" and summary["steps"] == 20
+    assert main(args) == 0
+    assert "already done" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "optim.name=sgd"], "choose one of"),
+    (["--set", "data.source=/no/such/corpus"], "/no/such/corpus"),
+    (["--config", "/no/such.toml"], "not found"),
+    (["--preset", "huge"], "unknown preset"),
+])
+def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, args, message):
+    assert main(["train", "--out", str(tmp_path), "--quiet", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("optquant: error:") and message in err and "\n" not in err
+
+
+def test_help_mentions_examples(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "optim.name=muon" in out and "resumes" in out

@@ -1,0 +1,119 @@
+"""Training loop tests on a nano model and a synthetic corpus.
+
+Exact resume is shown bitwise (a run interrupted after a checkpoint and resumed ends with the same
+losses as one that ran straight through); divergence, the Common Loss checkpoint and the skip of
+finished runs are checked through the files a run leaves behind.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from optquant.checkpoint import load_weights
+from optquant.config import RunConfig, TrainConfig, apply_overrides
+from optquant.errors import OptquantError
+from optquant.model import LM
+from optquant.runs import read_metrics, run_dir
+from optquant.train import lr_multiplier, train
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_loss_falls_far_below_uniform(nano_cfg, tmp_path):
+    summary = train(nano_cfg, tmp_path / "run")
+    assert summary["status"] == "done"
+    assert summary["final_val_loss"] < 0.6 * math.log(nano_cfg.model.vocab_size)
+    assert (tmp_path / "run" / "model.safetensors").exists()
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert record["config"]["optim"]["name"] == "adamw" and "optquant_version" in record
+    assert len(read_metrics(tmp_path / "run")) == 4
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_killed_run_resumes_bitwise(nano_cfg, tmp_path, name):
+    cfg = apply_overrides(nano_cfg, [f"optim.name={name}"])
+    straight = train(cfg, tmp_path / "straight")
+
+    def kill_at_25(info):
+        if info["step"] == 25:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        train(cfg, tmp_path / "killed", on_step=kill_at_25)
+    assert not (tmp_path / "killed" / "summary.json").exists()
+    resumed = train(cfg, tmp_path / "killed")
+    assert resumed["final_val_loss"] == straight["final_val_loss"]  # bitwise
+    assert read_metrics(tmp_path / "killed") == read_metrics(tmp_path / "straight")
+
+
+def test_diverged_run_is_recorded(nano_cfg, tmp_path):
+    cfg = apply_overrides(nano_cfg, ["optim.lr=1e30"])
+    summary = train(cfg, tmp_path / "run")
+    assert summary["status"] == "diverged"
+    assert summary["diverged_step"] is not None and summary["final_val_loss"] is None
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "diverged"
+
+
+def test_common_loss_checkpoint_is_first_crossing(nano_cfg, tmp_path):
+    train(nano_cfg, tmp_path / "probe")
+    vals = [m["val_loss"] for m in read_metrics(tmp_path / "probe")]
+    threshold = (vals[0] + vals[1]) / 2  # crossed first at the second evaluation
+    cfg = apply_overrides(nano_cfg, [f"train.cl_threshold={threshold}"])
+    summary = train(cfg, tmp_path / "cl")
+    assert summary["cl_step"] == 20
+    model = load_weights(tmp_path / "cl" / "cl_model.safetensors", LM(cfg.model))
+    assert model.lm_head.weight is model.embed.weight
+
+
+def test_finished_run_is_skipped(nano_cfg, tmp_path):
+    first = train(nano_cfg, tmp_path / "run")
+    calls = []
+    again = train(nano_cfg, tmp_path / "run", on_step=calls.append)
+    assert again == first and calls == []
+
+
+def test_truncated_checkpoint_is_a_clear_error(nano_cfg, tmp_path):
+    path = tmp_path / "run"
+    with pytest.raises(Interrupt):
+        train(nano_cfg, path, on_step=lambda i: (_ for _ in ()).throw(Interrupt) if i["step"] == 15 else None)
+    ckpt = path / "checkpoint.safetensors"
+    ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])
+    with pytest.raises(OptquantError, match="truncated or corrupt"):
+        train(nano_cfg, path)
+    assert ckpt.exists()  # nothing is deleted
+
+
+def test_too_few_tokens_for_a_batch(nano_cfg, tmp_path):
+    cfg = apply_overrides(nano_cfg, ["train.batch_size=4096"])
+    with pytest.raises(OptquantError, match="tokens"):
+        train(cfg, tmp_path / "run")
+
+
+def test_wsd_schedule_shape():
+    cfg = TrainConfig()
+    total = 100
+    m = [lr_multiplier(s, total, cfg) for s in range(total)]
+    assert m[0] == pytest.approx(0.001)
+    assert m[4] < 1.0 and m[5] == 1.0 and m[79] == 1.0  # 5 % warm-up, then constant
+    assert m[80] == 1.0 and m[99] == pytest.approx(0.05)  # last 20 %: linear decay to 0
+    assert all(a >= b for a, b in zip(m[80:], m[81:], strict=False))
+    cos = [lr_multiplier(s, total, TrainConfig(schedule="cosine")) for s in range(total)]
+    assert cos[5] == 1.0 and cos[99] < 0.01
+
+
+def test_run_dir_is_keyed_by_config(nano_cfg, tmp_path):
+    a = run_dir(tmp_path, nano_cfg)
+    b = run_dir(tmp_path, apply_overrides(nano_cfg, ["optim.lr=1e-3"]))
+    assert a != b and a == run_dir(tmp_path, nano_cfg)
+    assert isinstance(nano_cfg, RunConfig)
+
+
+def test_bf16_autocast_trains(nano_cfg, tmp_path):
+    cfg = apply_overrides(nano_cfg, ["train.precision=bf16", "train.steps=20"])
+    summary = train(cfg, tmp_path / "run")
+    assert summary["bf16"] and math.isfinite(summary["final_val_loss"])
+    torch.set_autocast_enabled("cpu", False)
