@@ -15,6 +15,7 @@ from optquant.quant.ptq import (
     linear_layers,
     quantize_,
     quantized_copy,
+    replace_module,
 )
 
 __all__ = [
@@ -31,5 +32,6 @@ __all__ = [
     "quant_params",
     "quantize_",
     "quantized_copy",
+    "replace_module",
     "round_to_grid",
 ]

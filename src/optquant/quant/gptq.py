@@ -1,0 +1,141 @@
+"""GPTQ: one-shot weight quantization with second-order error feedback (Frantar et al. 2022,
+arXiv 2210.17323, Algorithm 1; IST-DASLab/gptq `fasterquant`).
+
+For a linear layer with inputs X (N, in), GPTQ minimises ‖XWᵀ − XŴᵀ‖² column by column: quantize
+column j of W, then spread its error over the not-yet-quantized columns through the inverse Hessian
+H⁻¹ of the layer-wise problem, H = 2/N · XᵀX. Pieces, as in the paper and the reference:
+- damping H += λ·mean(diag H)·I, λ = `damp` (the reference's percdamp);
+- dead inputs (diag H = 0) get H_jj = 1 and W[:, j] = 0;
+- the upper Cholesky factor U of H⁻¹ (H⁻¹ = UᵀU) replaces H⁻¹ (Algorithm 1, line 3), so the update
+  after column j is W[:, j:] −= (w_j − q_j)/U_jj · U[j, j:];
+- lazy batches of `block_size` columns: updates inside a block are immediate, those to the columns
+  after it are applied once per block (Algorithm 1, lines 13/15);
+- act_order: columns in order of decreasing diag H;
+- scales: per row (channel) / per tensor from the whole W; per group, computed when the group's first
+  column is reached from the current, already error-updated columns (reference behaviour). With
+  act_order, group scales are "static" (the reference's `static_groups`): computed from W before any
+  update for contiguous groups of the original column order, so the result stays a plain grouped layout.
+Any QuantSpec works (all integer grids, MXFP4, NVFP4; the NVFP4 per-tensor scale comes from the
+original W). Closed form used by the tests: if H ∝ I the feedback term is exactly zero, so GPTQ = RTN.
+
+Left out on purpose: the reference's per-row loss bookkeeping, true-sequential sub-ordering within a
+block (ptq.py orders layers by the actual forward), and multi-GPU / packing code.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from optquant.errors import OptquantError
+from optquant.quant.primitives import QuantSpec, group_rows, quant_params, round_to_grid
+
+log = logging.getLogger(__name__)
+
+
+def accumulate_hessian(H: Tensor | None, n: int, x: Tensor) -> tuple[Tensor, int]:
+    """Running H = 2/N · Σ x xᵀ over the rows of x (…, in), as the reference's `add_batch`.
+
+    Returns the updated (H, N); start with (None, 0).
+    """
+    x = x.reshape(-1, x.shape[-1]).float()
+    m = x.shape[0]
+    if H is None:
+        H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+    H = H * (n / (n + m)) + x.T @ x * (2.0 / (n + m))
+    return H, n + m
+
+
+def inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
+    """Upper Cholesky factor U of (H + λ·mean(diag H)·I)⁻¹. λ grows ×10 (≤ 4 times) if H is not PD."""
+    mean_diag = torch.diag(H).mean()
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    for attempt in range(5):
+        L, info = torch.linalg.cholesky_ex(H + damp * 10**attempt * mean_diag * eye)
+        if info == 0:
+            if attempt:
+                log.warning("GPTQ: Hessian not positive definite; damping raised to %g", damp * 10**attempt)
+            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if info == 0:
+                return U
+    raise OptquantError("GPTQ: the Hessian stays singular after damping; use more calibration data")
+
+
+def _static_params(W: Tensor, spec: QuantSpec, amax: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Scale and zero per (row, group) from W (rows, cols), plus each column's group index."""
+    rows, cols = W.shape
+    block = spec.block
+    scale, zero = quant_params(group_rows(W, block), spec, amax)
+    if block <= 0:  # one group: per row (rows, 1), or per tensor (1, 1)
+        return scale, zero, torch.zeros(cols, dtype=torch.long, device=W.device)
+    n_groups = -(-cols // block)
+    col_group = torch.arange(cols, device=W.device) // block
+    return scale.reshape(rows, n_groups), zero.reshape(rows, n_groups), col_group
+
+
+def _group_window(W: Tensor, W1: Tensor, i: int, i2: int, g: int) -> Tensor:
+    """Current values of the g columns starting at block-local column i (block ends at global i2)."""
+    cols = W1[:, i : i + g]
+    if cols.shape[1] < g:
+        cols = torch.cat((cols, W[:, i2 : i2 + g - cols.shape[1]]), 1)
+    return cols
+
+
+def gptq_quantize(
+    W: Tensor,
+    H: Tensor,
+    spec: QuantSpec,
+    *,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+) -> Tensor:
+    """GPTQ-quantized (dequantized, same dtype as W) copy of W (out, in) given H (in, in)."""
+    if H.shape != (W.shape[1], W.shape[1]):
+        raise OptquantError(f"GPTQ: Hessian {tuple(H.shape)} does not match weight {tuple(W.shape)}")
+    dtype = W.dtype
+    W, H = W.detach().float().clone(), H.float().clone()
+    cols = W.shape[1]
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    amax = W.abs().amax() if spec.format == "nvfp4" else None
+    dynamic = spec.block > 0 and not act_order
+    scale, zero, col_group = _static_params(W, spec, amax)
+    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
+    if perm is not None:
+        W, H, col_group = W[:, perm], H[perm][:, perm], col_group[perm]
+    col_group = col_group.tolist()
+    U = inverse_hessian_factor(H, damp)
+    Q = torch.zeros_like(W)
+    for i1 in range(0, cols, block_size):
+        i2 = min(i1 + block_size, cols)
+        W1, U1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2]
+        Err1 = torch.zeros_like(W1)
+        for i in range(i2 - i1):
+            j = i1 + i
+            if dynamic and j % spec.block == 0:  # Algorithm 1 with groups: fresh scales per group
+                s, z = quant_params(_group_window(W, W1, i, i2, spec.block), spec, amax)
+            elif not dynamic:
+                g = col_group[j]
+                s, z = scale[:, g : g + 1], zero[:, g : g + 1]
+            w = W1[:, i : i + 1]
+            q = round_to_grid(w, s, z, spec)
+            Q[:, j : j + 1] = q
+            err = (w - q) / U1[i, i]
+            W1[:, i:] -= err * U1[i : i + 1, i:]
+            Err1[:, i : i + 1] = err
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # the lazy batch update
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    return Q.to(dtype)
+
+
+def layer_error(X: Tensor, W: Tensor, Q: Tensor) -> float:
+    """Relative output error ‖X(W − Q)ᵀ‖ / ‖XWᵀ‖ of a linear layer on inputs X (…, in)."""
+    X = X.reshape(-1, X.shape[-1]).float()
+    ref = torch.linalg.norm(F.linear(X, W.float()))
+    return (torch.linalg.norm(F.linear(X, (W - Q).float())) / ref).item()
