@@ -1,0 +1,278 @@
+"""Evaluation: validation loss, a built-in offline multiple-choice task, and an optional lm-eval adapter.
+
+The paper scores models by LM-Evaluation-Harness zero-shot acc_norm averaged over PIQA, HellaSwag and
+ARC-Easy (paper.md §2.4), which needs datasets this project never downloads. The built-in task is a
+stand-in made from the held-out split with the same scoring: an item is m tokens of context from a
+validation document, and the choices are its true k-token continuation and K−1 k-token spans from
+*other* documents. Like lm-eval, acc = argmax of the summed continuation log-likelihood, and
+acc_norm = argmax of that log-likelihood divided by the continuation's length in characters (lm-eval's
+`completion_len = len(choice)` on the string; `length="bytes"` or `"tokens"` switch the unit). Ties go
+to the first choice, as with np.argmax.
+
+`lm_eval_accuracy` runs the real harness for users who have lm-eval and the task data locally; lm-eval
+is imported only there. Left out on purpose: few-shot prompts, generation tasks, and batching in the
+adapter (the authors' wrapper also uses batch size 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from optquant.errors import OptquantError
+
+
+def _autocast(model: nn.Module, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class LossResult:
+    loss: float  # mean next-token cross-entropy (nats), token-weighted over all batches
+    ppl: float  # exp(loss)
+    tokens: int
+
+
+@torch.no_grad()
+def val_loss(model: nn.Module, batches: Iterable, autocast: torch.dtype | None = None) -> LossResult:
+    """Mean CE over fixed batches of (x, y) pairs, or of (B, T+1) token blocks split into x, y.
+
+    Run it on the FP and the quantized model with the same batches to get Δ val loss.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    try:
+        for batch in batches:
+            x, y = batch if isinstance(batch, tuple | list) else (batch[:, :-1], batch[:, 1:])
+            x, y = x.to(device), y.to(device)
+            with _autocast(model, autocast):
+                logits = model(x)
+            ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
+            total += ce.item()
+            count += y.numel()
+    finally:
+        model.train(was_training)
+    if count == 0:
+        raise OptquantError("val_loss: no batches given")
+    loss = total / count
+    return LossResult(loss, math.exp(loss), count)
+
+
+@dataclass(frozen=True)
+class MCConfig:
+    n_items: int = 500
+    n_choices: int = 4  # K: the true continuation and K−1 distractors
+    context_len: int = 32  # m tokens
+    cont_len: int = 8  # k tokens
+    seed: int = 0
+    length: Literal["chars", "bytes", "tokens"] = "chars"  # the acc_norm unit; lm-eval uses chars
+
+
+@dataclass(frozen=True)
+class MCItem:
+    context: tuple[int, ...]
+    choices: tuple[tuple[int, ...], ...]
+    gold: int  # index of the true continuation in `choices`
+    lengths: tuple[int, ...]  # each choice's length in the acc_norm unit
+
+
+@dataclass(frozen=True)
+class MCResult:
+    acc: float
+    acc_norm: float
+    n_items: int
+
+
+def split_documents(tokens: np.ndarray, eot_id: int) -> list[np.ndarray]:
+    """The documents of a token stream separated by `eot_id` (empty ones dropped)."""
+    tokens = np.asarray(tokens)
+    cuts = np.flatnonzero(tokens == eot_id)
+    docs = np.split(tokens, cuts)
+    return [d[1:] if d.size and d[0] == eot_id else d for d in docs if d[d != eot_id].size]
+
+
+def _length(ids: tuple[int, ...], tokenizer, unit: str) -> int:
+    if unit == "tokens":
+        return len(ids)
+    if tokenizer is None:
+        raise OptquantError(f"multiple choice: length={unit!r} needs a tokenizer (or use length='tokens')")
+    text = tokenizer.decode(list(ids))
+    return max(1, len(text) if unit == "chars" else len(text.encode("utf-8")))
+
+
+def _distractors(docs, src: np.ndarray, d: int, true: tuple, cfg: MCConfig, rng) -> list[tuple[int, ...]]:
+    """K−1 spans of k tokens from distinct documents other than `d`, all different from `true`."""
+    options, used = [true], {d}
+    for _ in range(100 * cfg.n_choices):
+        if len(options) == cfg.n_choices:
+            return options[1:]
+        o = int(src[rng.integers(len(src))])
+        if o in used:
+            continue
+        p = int(rng.integers(0, len(docs[o]) - cfg.cont_len + 1))
+        cand = tuple(int(t) for t in docs[o][p : p + cfg.cont_len])
+        if cand not in options:
+            used.add(o)
+            options.append(cand)
+    raise OptquantError("multiple choice: could not find distinct distractors; too few distinct documents")
+
+
+def build_mc_items(
+    tokens: np.ndarray, cfg: MCConfig = MCConfig(), *, eot_id: int, tokenizer=None
+) -> list[MCItem]:
+    """Deterministic (seeded) items from a validation token stream; see the module docstring."""
+    docs = split_documents(tokens, eot_id)
+    need = cfg.context_len + cfg.cont_len
+    ctx_docs = np.array([i for i, d in enumerate(docs) if len(d) >= need])
+    src_docs = np.array([i for i, d in enumerate(docs) if len(d) >= cfg.cont_len])
+    if cfg.n_choices < 2 or cfg.context_len < 1 or cfg.cont_len < 1:
+        raise OptquantError("multiple choice: need n_choices >= 2, context_len >= 1, cont_len >= 1")
+    if ctx_docs.size == 0 or src_docs.size < cfg.n_choices:
+        raise OptquantError(
+            f"multiple choice: the validation split has {ctx_docs.size} documents of >= {need} tokens and "
+            f"{src_docs.size} of >= {cfg.cont_len}; need 1 and {cfg.n_choices}"
+        )
+    rng = np.random.default_rng(cfg.seed)
+    items = []
+    for _ in range(cfg.n_items):
+        d = int(ctx_docs[rng.integers(ctx_docs.size)])
+        s = int(rng.integers(0, len(docs[d]) - need + 1))
+        context = tuple(int(t) for t in docs[d][s : s + cfg.context_len])
+        true = tuple(int(t) for t in docs[d][s + cfg.context_len : s + need])
+        options = [true, *_distractors(docs, src_docs, d, true, cfg, rng)]
+        perm = rng.permutation(cfg.n_choices)
+        choices = tuple(options[i] for i in perm)
+        lengths = tuple(_length(c, tokenizer, cfg.length) for c in choices)
+        items.append(MCItem(context, choices, int(np.flatnonzero(perm == 0)[0]), lengths))
+    return items
+
+
+def mc_scores(lls: np.ndarray, lengths: np.ndarray, gold: np.ndarray) -> tuple[float, float]:
+    """(acc, acc_norm) from log-likelihoods (N, K), lengths (N, K) and gold indices (N,)."""
+    acc = np.argmax(lls, axis=1) == gold
+    acc_norm = np.argmax(lls / lengths, axis=1) == gold
+    return float(acc.mean()), float(acc_norm.mean())
+
+
+@torch.no_grad()
+def continuation_logliks(
+    model: nn.Module, items: Sequence[MCItem], *, batch_size: int = 16, autocast: torch.dtype | None = None
+) -> np.ndarray:
+    """(N, K) summed log-probabilities of each choice given its item's context."""
+    if not items:
+        raise OptquantError("multiple choice: no items")
+    m, k = len(items[0].context), len(items[0].choices[0])
+    if any(len(it.context) != m or any(len(c) != k for c in it.choices) for it in items):
+        raise OptquantError("multiple choice: all items must share the context and continuation lengths")
+    seq_len = getattr(getattr(model, "cfg", None), "seq_len", None)
+    if seq_len is not None and m + k - 1 > seq_len:
+        raise OptquantError(
+            f"multiple choice: context+continuation {m + k} exceeds seq_len+1 = {seq_len + 1}"
+        )
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for i in range(0, len(items), batch_size):
+            chunk = items[i : i + batch_size]
+            x = torch.tensor(
+                [it.context + c for it in chunk for c in it.choices], device=device
+            )  # (b·K, m+k)
+            with _autocast(model, autocast):
+                logits = model(x[:, :-1])
+            logp = torch.log_softmax(logits[:, m - 1 :].float(), dim=-1)  # predicts tokens m..m+k-1
+            ll = logp.gather(-1, x[:, m:, None]).squeeze(-1).sum(-1)
+            out.append(ll.double().cpu().view(len(chunk), -1))
+    finally:
+        model.train(was_training)
+    return torch.cat(out).numpy()
+
+
+def mc_accuracy(
+    model: nn.Module, items: Sequence[MCItem], *, batch_size: int = 16, autocast: torch.dtype | None = None
+) -> MCResult:
+    lls = continuation_logliks(model, items, batch_size=batch_size, autocast=autocast)
+    lengths = np.array([it.lengths for it in items], dtype=np.float64)
+    acc, acc_norm = mc_scores(lls, lengths, np.array([it.gold for it in items]))
+    return MCResult(acc, acc_norm, len(items))
+
+
+def mc_eval(model: nn.Module, data, cfg: MCConfig = MCConfig(), **kw) -> MCResult:
+    """The built-in task on a TokenData (`.val`, `.tokenizer`, `.eot_id`)."""
+    items = build_mc_items(data.val, cfg, eot_id=data.eot_id, tokenizer=data.tokenizer)
+    return mc_accuracy(model, items, **kw)
+
+
+# ---- optional: LM-Evaluation-Harness (pip install 'optquant[eval]') ----
+
+PAPER_TASKS = ("piqa", "hellaswag", "arc_easy")
+
+
+def _loglik(model: nn.Module, tokenizer, eot_id: int, context: str, continuation: str) -> tuple[float, bool]:
+    """log p(continuation | context) and whether it is the greedy continuation (lm-eval's contract)."""
+    ctx = tokenizer.encode(context, add_special_tokens=False).ids if context else []
+    whole = tokenizer.encode(context + continuation, add_special_tokens=False).ids
+    if whole[: len(ctx)] == ctx:  # lm-eval's split: encode the whole, so merges across the seam count
+        cont = whole[len(ctx) :]
+    else:
+        cont = tokenizer.encode(continuation, add_special_tokens=False).ids
+    if not cont:
+        return 0.0, True
+    ids = ([eot_id] + ctx + cont)[-(model.cfg.seq_len + 1) :]
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    logp = torch.log_softmax(model(x[:, :-1]).float(), dim=-1)[0, -len(cont) :]
+    target = x[0, -len(cont) :]
+    ll = logp.gather(-1, target[:, None]).sum().item()
+    return ll, bool((logp.argmax(-1) == target).all())
+
+
+def lm_eval_adapter(model: nn.Module, tokenizer, *, eot_id: int):
+    """An `lm_eval.api.model.LM` scoring with `model` (loglikelihood only, as the authors' wrapper)."""
+    try:
+        from lm_eval.api.model import LM as HarnessLM
+    except ImportError as e:
+        raise OptquantError("lm-eval is not installed: pip install 'optquant[eval]' (lm-eval==0.4.13)") from e
+
+    class Adapter(HarnessLM):
+        @torch.no_grad()
+        def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+            model.eval()
+            return [_loglik(model, tokenizer, eot_id, *r.args) for r in requests]
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError("optquant's lm-eval adapter scores multiple-choice tasks only")
+
+        def generate_until(self, requests):
+            raise NotImplementedError("optquant's lm-eval adapter scores multiple-choice tasks only")
+
+    return Adapter()
+
+
+def lm_eval_accuracy(
+    model: nn.Module, tokenizer, *, eot_id: int, tasks: Sequence[str] = PAPER_TASKS, limit: int | None = None
+) -> dict[str, float]:
+    """Zero-shot acc_norm per task and their mean ("avg"), the paper's accuracy. The task datasets
+    must already be in the local Hugging Face cache (set HF_DATASETS_OFFLINE=1)."""
+    adapter = lm_eval_adapter(model, tokenizer, eot_id=eot_id)
+    import lm_eval
+
+    res = lm_eval.simple_evaluate(
+        model=adapter, tasks=list(tasks), num_fewshot=0, batch_size=1, bootstrap_iters=100, limit=limit
+    )
+    accs = {t: float(res["results"][t]["acc_norm,none"]) for t in tasks}
+    accs["avg"] = float(np.mean(list(accs.values())))
+    return accs

@@ -1,0 +1,154 @@
+"""Metric–damage correlations across models, and the Common Loss protocol (both cross-model analyses).
+
+Strategy: point estimates and p-values against scipy.stats; the vectorised bootstrap against a plain
+loop over the same resample indices (exact) and against scipy.stats.bootstrap (statistically);
+degenerate inputs (n < 3, constant columns, NaN/inf) give NaN rows without raising. Common Loss is
+checked on hand-made run summaries whose answer is known.
+"""
+
+import logging
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from optquant.errors import OptquantError
+from optquant.metrics.common_loss import best_runs, common_loss, first_crossing
+from optquant.metrics.correlate import bootstrap_ci, correlate
+
+
+def _models(n=20, seed=0):
+    rng = np.random.default_rng(seed)
+    mmr = rng.uniform(5, 50, n)
+    r_l = rng.uniform(0.01, 0.2, n)
+    d_acc = -40 * r_l + rng.normal(0, 0.5, n)
+    d_loss = 3 * r_l + rng.normal(0, 0.02, n)
+    size = ["s"] * (n // 2) + ["m"] * (n - n // 2)
+    return pd.DataFrame({"mmr": mmr, "R_L": r_l, "d_acc": d_acc, "d_val_loss": d_loss, "size": size})
+
+
+def test_point_estimates_match_scipy():
+    df = _models()
+    out = correlate(df, n_boot=200)
+    assert len(out) == 2 * 2 * 2  # 2 metrics present × 2 targets × 2 methods
+    for _, row in out.iterrows():
+        x, y = df[row.metric].to_numpy(), df[row.target].to_numpy()
+        ref = stats.pearsonr(x, y) if row.method == "pearson" else stats.spearmanr(x, y)
+        assert row.r == pytest.approx(ref.statistic, rel=1e-9)
+        assert row.p == pytest.approx(ref.pvalue, rel=1e-6)
+        assert row.n == len(df)
+    r_l = out[(out.metric == "R_L") & (out.target == "d_acc") & (out.method == "pearson")].iloc[0]
+    assert r_l.r < -0.9 and r_l.ci_low <= r_l.r <= r_l.ci_high < 0
+
+
+@pytest.mark.parametrize("method", ["pearson", "spearman"])
+def test_bootstrap_equals_loop_over_same_resamples(method):
+    df = _models(n=12, seed=1)
+    x, y = df["mmr"].to_numpy(), df["d_acc"].to_numpy()
+    lo, hi, degenerate = bootstrap_ci(x, y, method, n_boot=300, level=0.9, seed=7)
+    idx = np.random.default_rng(7).integers(0, len(x), size=(300, len(x)))
+    fn = stats.pearsonr if method == "pearson" else stats.spearmanr
+    rs = np.array([fn(x[i], y[i]).statistic for i in idx])
+    assert degenerate == 0
+    assert (lo, hi) == pytest.approx(tuple(np.quantile(rs, [0.05, 0.95])), rel=1e-9)
+
+
+def test_bootstrap_agrees_with_scipy():
+    df = _models(n=40, seed=2)
+    x, y = df["R_L"].to_numpy(), df["d_acc"].to_numpy()
+    lo, hi, _ = bootstrap_ci(x, y, "pearson", n_boot=4000, seed=0)
+    ref = stats.bootstrap(
+        (x, y),
+        lambda a, b: stats.pearsonr(a, b).statistic,
+        paired=True,
+        vectorized=False,
+        n_resamples=4000,
+        method="percentile",
+        rng=np.random.default_rng(1),
+    )
+    assert lo == pytest.approx(ref.confidence_interval.low, abs=0.03)
+    assert hi == pytest.approx(ref.confidence_interval.high, abs=0.03)
+
+
+def test_seeded_and_deterministic():
+    df = _models()
+    a, b = correlate(df, n_boot=300, seed=3), correlate(df, n_boot=300, seed=3)
+    pd.testing.assert_frame_equal(a, b)
+    c = correlate(df, n_boot=300, seed=4)
+    assert not np.allclose(a.ci_low, c.ci_low)
+
+
+def test_degenerate_inputs_give_nan():
+    rows = [{"mmr": 1.0, "kurtosis": 2.0, "d_acc": 0.1}, {"mmr": 2.0, "kurtosis": 2.0, "d_acc": 0.3}]
+    out = correlate(rows)  # n = 2 < 3
+    assert out.r.isna().all() and out.ci_low.isna().all() and (out.n == 2).all()
+    rows += [
+        {"mmr": 3.0, "kurtosis": 2.0, "d_acc": 0.2},
+        {"mmr": math.nan, "kurtosis": 2.0, "d_acc": 0.9},
+        {"mmr": math.inf, "kurtosis": 2.0, "d_acc": 0.9},
+    ]
+    out = correlate(rows, n_boot=200).set_index(["metric", "method"])
+    assert out.loc[("mmr", "pearson"), "n"] == 3  # the NaN and inf rows are dropped pairwise
+    assert np.isfinite(out.loc[("mmr", "pearson"), "r"])
+    assert out.loc[("kurtosis", "pearson")].isna()[["r", "p", "ci_low", "ci_high"]].all()  # constant
+
+
+def test_grouping_and_errors():
+    df = _models()
+    out = correlate(df, ["R_L"], ["d_acc"], by="size", n_boot=100)
+    assert sorted(out["size"].unique()) == ["m", "s"] and len(out) == 4
+    with pytest.raises(OptquantError, match="not in the data"):
+        correlate(df, ["nope"])
+    with pytest.raises(OptquantError, match="default metric"):
+        correlate(pd.DataFrame({"d_acc": [1.0, 2.0]}))
+
+
+def test_spearman_sees_monotone_nonlinear():
+    x = np.linspace(1, 5, 15)
+    out = correlate(pd.DataFrame({"mmr": x, "d_acc": np.exp(3 * x)}), n_boot=100).set_index("method")
+    assert out.loc["spearman", "r"] == pytest.approx(1.0)
+    assert out.loc["pearson", "r"] < 0.9
+
+
+# ---- Common Loss ----
+
+RUNS = [
+    {"size": "50m", "optimizer": "adamw", "lr": 1e-3, "best_val_loss": 3.30},
+    {"size": "50m", "optimizer": "adamw", "lr": 3e-3, "best_val_loss": 3.20},
+    {"size": "50m", "optimizer": "muon", "lr": 2e-2, "best_val_loss": 3.10},
+    {"size": "50m", "optimizer": "muon", "lr": 5e-2, "best_val_loss": math.nan},  # diverged
+    {"size": "50m", "optimizer": "shampoo", "lr": 1e-3, "best_val_loss": 3.25},
+    {"size": "125m", "optimizer": "adamw", "lr": 1e-3, "best_val_loss": 2.90},
+    {"size": "125m", "optimizer": "muon", "lr": 1e-2, "best_val_loss": 2.95},
+]
+
+
+def test_common_loss_is_worst_of_best():
+    assert common_loss(RUNS) == {"50m": 3.25, "125m": 2.95}
+    best = best_runs(RUNS)
+    assert best[("50m", "adamw")]["lr"] == 3e-3 and best[("50m", "muon")]["lr"] == 2e-2
+
+
+def test_common_loss_skips_diverged_optimizer(caplog):
+    runs = RUNS + [{"size": "50m", "optimizer": "psgd", "lr": 1.0, "best_val_loss": math.inf}]
+    with caplog.at_level(logging.WARNING):
+        assert common_loss(runs)["50m"] == 3.25
+    assert "psgd" in caplog.text
+    with pytest.raises(OptquantError, match="best_val_loss"):
+        common_loss([{"size": "50m", "optimizer": "adamw"}])
+
+
+def test_first_crossing():
+    records = [
+        {"step": 400, "val_loss": 3.24},
+        {"step": 0, "val_loss": 9.0},
+        {"step": 100, "train_loss": 3.0},  # a training-only line
+        {"step": 200, "val_loss": 3.26},
+        {"step": 600, "val_loss": 3.22},
+    ]
+    assert first_crossing(records, 3.25)["step"] == 400
+    assert first_crossing(records, 3.26)["step"] == 200  # "at or below"
+    assert first_crossing(records, 3.0) is None
+    assert first_crossing(records, 3.255, tol=0.01)["step"] == 200

@@ -1,0 +1,205 @@
+"""ABC decomposition, R_L and the linear-layer gain split.
+
+Strategy: exact identities only. On a briefly trained nano model with real W4A4 RTN: A + B + C = R in
+both norms, R_in of each chain module equals the previous module's R, and R_L equals the relative
+error of the two models' logits computed from two plain forwards (the chain walk is the real network).
+With quantization off every term is exactly 0. On a single linear layer with an explicitly built
+f^q(x) = (W+ε^W)x + ε^h (ε^h fixed): the closed forms of a and b (paper.md §7.5) and G = G1·G2.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from optquant.errors import OptquantError
+from optquant.metrics.propagation import (
+    PropagationConfig,
+    abc_terms,
+    four_evals,
+    gain_split,
+    propagation,
+    ptq_pair,
+    shapley_split,
+    summarize,
+)
+from optquant.model import LM, lm_loss, model_config
+from optquant.quant.ptq import PTQConfig
+
+VOCAB, T = 64, 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core box they thrash."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _stream(n: int = 4096) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    pattern = torch.randint(0, VOCAB, (23,), generator=g)
+    return pattern.repeat(n // 23 + 1)[:n]
+
+
+@pytest.fixture(scope="module")
+def trained() -> LM:
+    """nano, 30 AdamW steps on a repeating-pattern stream (so the weights are not just the init)."""
+    torch.manual_seed(0)
+    model = LM(model_config("nano", vocab_size=VOCAB, seq_len=T))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stream = _stream()
+    g = torch.Generator().manual_seed(2)
+    for _ in range(30):
+        starts = torch.randint(0, len(stream) - T - 1, (8,), generator=g)
+        x = torch.stack([stream[s : s + T] for s in starts])
+        y = torch.stack([stream[s + 1 : s + T + 1] for s in starts])
+        opt.zero_grad()
+        lm_loss(model, x, y).backward()
+        opt.step()
+    return model.eval()
+
+
+def _batches(n=2, b=2, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (b, T), generator=g) for _ in range(n)]
+
+
+def _chain_rows(rows, norm):
+    return [r for r in rows if r.norm == norm and r.kind != "linear"]
+
+
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_abc_identity_and_chain_on_trained_model(trained, rotation):
+    fp, q = ptq_pair(trained, PTQConfig(rotation=rotation))
+    batches = _batches()
+    rows, summary = propagation(fp, q, batches, PropagationConfig(granularity="linear"))
+    assert {r.kind for r in rows} == {"linear", "sublayer", "final"}
+    for r in rows:
+        assert r.R > 0 and r.A + r.B + r.C == pytest.approx(r.R, rel=1e-5), r
+    for norm in ("token", "tensor"):
+        chain = _chain_rows(rows, norm)
+        assert len(chain) == 2 * 2 + 1 and chain[-1].name == "head"
+        assert chain[0].R_in == 0 and math.isnan(chain[0].G)
+        for prev, cur in zip(chain, chain[1:], strict=False):
+            assert cur.R_in == pytest.approx(prev.R, rel=1e-12)
+            assert cur.G == pytest.approx(cur.A / prev.R, rel=1e-12)
+    # the chain is the network: R_L equals the logits' relative error from two plain forwards
+    with torch.no_grad():
+        lf = torch.cat([fp(b) for b in batches]).double().flatten(0, 1)
+        lq = torch.cat([q(b) for b in batches]).double().flatten(0, 1)
+    per_token = ((lq - lf).square().sum(-1) / lf.square().sum(-1)).mean().item()
+    assert summary.R_L == pytest.approx(per_token, rel=1e-6)
+    tensor = summarize(rows, "tensor")
+    assert tensor.R_L == pytest.approx(((lq - lf).square().sum() / lf.square().sum()).item(), rel=1e-6)
+    chain = _chain_rows(rows, "token")
+    assert summary.sum_A == pytest.approx(sum(r.A for r in chain))
+    assert summary.sum_B == pytest.approx(sum(r.B for r in chain))
+
+
+def test_gain_split_identity_on_real_layers(trained):
+    fp, q = ptq_pair(trained, PTQConfig())
+    rows, summary = propagation(fp, q, _batches(n=1), PropagationConfig(granularity="linear"))
+    lin = [r for r in rows if r.kind == "linear" and r.norm == "tensor" and r.R_in > 0]
+    assert len(lin) >= 4  # o_proj, up_proj, down_proj of block 0 and everything of block 1
+    for r in lin:
+        assert r.G1 * r.G2 == pytest.approx(r.G_lin, rel=1e-9)
+        assert 0.5 < r.G1 < 2.0  # W + ½ε^W stays close to W in spectral norm
+    token_lin = [r for r in rows if r.kind == "linear" and r.norm == "token"]
+    assert all(math.isnan(r.G1) for r in token_lin)
+    all_lin = [r for r in rows if r.kind == "linear" and r.norm == "tensor"]
+    assert summary.mean_G1 == pytest.approx(sum(r.G1 for r in all_lin) / len(all_lin), rel=1e-12)
+
+
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_all_terms_zero_without_quantization(trained, rotation):
+    fp, q16 = ptq_pair(trained, PTQConfig(w_bits=16, a_bits=16, rotation=rotation))
+    for q in (q16, copy.deepcopy(fp)):
+        rows, summary = propagation(fp, q, _batches(n=1), PropagationConfig(granularity="linear"))
+        for r in rows:
+            assert (r.R, r.A, r.B, r.C, r.R_in) == (0, 0, 0, 0, 0), r
+        assert summary.R_L == 0 and summary.sum_A == 0 and summary.sum_B == 0
+
+
+def test_batches_stream_like_one_batch(trained):
+    fp, q = ptq_pair(trained, PTQConfig())
+    b1, b2 = _batches(n=2, b=2)
+    split, _ = propagation(fp, q, [b1, b2])
+    whole, _ = propagation(fp, q, [torch.cat([b1, b2])])
+    for r, s in zip(split, whole, strict=True):
+        assert (r.name, r.norm) == (s.name, s.norm)
+        assert r.R == pytest.approx(s.R, rel=1e-4) and r.A == pytest.approx(s.A, rel=1e-4, abs=1e-12)
+
+
+def test_final_module_settings(trained):
+    fp, q = ptq_pair(trained, PTQConfig())
+    batches = _batches(n=1)
+    logits_rows, _ = propagation(fp, q, batches)
+    none_rows, none_sum = propagation(fp, q, batches, PropagationConfig(final="none"))
+    norm_rows, _ = propagation(fp, q, batches, PropagationConfig(final="norm"))
+    assert _chain_rows(none_rows, "token")[-1].kind == "sublayer"
+    assert none_sum.R_L == pytest.approx(_chain_rows(logits_rows, "token")[-2].R, rel=1e-12)
+    assert _chain_rows(norm_rows, "token")[-1].name == "norm"
+    with_head, _ = propagation(fp, q, batches, PropagationConfig(granularity="linear", skip=()))
+    assert any(r.name == "lm_head" for r in with_head)  # lm_head is FP here, but still a linear row
+
+
+def _linear_case(seed=0, T_=40, d_in=6, d_out=9):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    eW = 0.1 * torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    eh = 0.05 * torch.randn(d_out, generator=g, dtype=torch.float64)  # fixed additive activation noise
+    h = torch.randn(T_, d_in, generator=g, dtype=torch.float64)
+    dh = 0.2 * torch.randn(T_, d_in, generator=g, dtype=torch.float64)
+    return W, eW, eh, h, dh
+
+
+def test_linear_closed_forms():
+    W, eW, eh, h, dh = _linear_case()
+    f = lambda x: x @ W.T  # noqa: E731
+    fq = lambda x: x @ (W + eW).T + eh  # noqa: E731
+    a, b = shapley_split(*four_evals(f, fq, h, h + dh))
+    torch.testing.assert_close(a, dh @ (W + 0.5 * eW).T, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(b, (h + 0.5 * dh) @ eW.T + eh, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a + b, fq(h + dh) - f(h), rtol=1e-12, atol=1e-12)
+
+
+def test_gain_equals_G1_times_G2_in_tensor_norm():
+    W, eW, eh, h, dh = _linear_case(seed=1)
+    f = lambda x: x @ W.T  # noqa: E731
+    fq = lambda x: x @ (W + eW).T + eh  # noqa: E731
+    t = abc_terms(f, fq, h, h + dh, norm="tensor")
+    G1, G2, G_lin = gain_split(W, W + eW, h, h + dh)
+    assert t["A"] + t["B"] + t["C"] == pytest.approx(t["R"], rel=1e-12)
+    assert t["G"] == pytest.approx(G1 * G2, rel=1e-10)
+    assert G_lin == pytest.approx(G1 * G2, rel=1e-12)
+    M = W + 0.5 * eW
+    assert G1 == pytest.approx(
+        (torch.linalg.svdvals(M)[0] / torch.linalg.svdvals(W)[0]).item() ** 2, rel=1e-12
+    )
+    # the per-token norm has no such identity: its gain differs
+    assert abc_terms(f, fq, h, h + dh, norm="token")["G"] != pytest.approx(G1 * G2, rel=1e-3)
+
+
+def test_input_dependent_noise_breaks_only_G(trained):
+    """With per-token activation rounding ε^h depends on x, so G ≠ G_lin, but A+B+C=R still holds."""
+    W, eW, _, h, dh = _linear_case(seed=2)
+    fq = lambda x: torch.round(4 * x) / 4 @ (W + eW).T  # noqa: E731
+    t = abc_terms(lambda x: x @ W.T, fq, h, h + dh, norm="tensor")
+    _, _, G_lin = gain_split(W, W + eW, h, h + dh)
+    assert t["A"] + t["B"] + t["C"] == pytest.approx(t["R"], rel=1e-12)
+    assert t["G"] != pytest.approx(G_lin, rel=1e-3)
+
+
+def test_bad_inputs(trained):
+    fp, q = ptq_pair(trained, PTQConfig())
+    small = LM(model_config("nano", vocab_size=VOCAB, seq_len=T, n_layer=1))
+    with pytest.raises(OptquantError, match="sublayers"):
+        propagation(fp, small, _batches(n=1))
+    with pytest.raises(OptquantError, match="granularity"):
+        propagation(fp, q, _batches(n=1), PropagationConfig(granularity="block"))
+    with pytest.raises(OptquantError, match="LM"):
+        propagation(torch.nn.Linear(2, 2), q, _batches(n=1))
