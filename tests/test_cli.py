@@ -35,3 +35,21 @@ def test_help_mentions_examples(capsys):
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert "optim.name=muon" in out and "resumes" in out
+
+
+def test_ptq_and_analyze_on_a_trained_run(corpus, tmp_path, capsys):
+    base = ["--preset", "nano", "--out", str(tmp_path), "--quiet", "--set", f"data.source={corpus}",
+            "--set", "model.vocab_size=320", "--set", "model.seq_len=32", "--set", "train.batch_size=8",
+            "--set", "train.steps=20", "--set", "train.eval_every=10", "--set", "train.precision=fp32"]
+    assert main(["train", *base]) == 0
+    run = next(tmp_path.glob("nano-adamw-*"))
+    capsys.readouterr()
+    assert main(["ptq", str(run), "--mc-items", "20"]) == 0
+    result = json.loads(capsys.readouterr().out.split("written:")[0])
+    assert result["scheme"] == "w4a4-rtn" and result["val_loss_q"] > result["val_loss_fp"]
+    assert main(["analyze", str(run), "--method", "gptq", "--rotation", "hadamard", "--mc-items", "0"]) == 0
+    out = run / "ptq" / "final" / "w4a4-gptq-had"
+    assert (out / "propagation.parquet").exists() and (out / "outliers.parquet").exists()
+    assert json.loads((out / "analysis.json").read_text())["R_L"] > 0
+    assert main(["ptq", str(run), "--weights", "cl"]) == 2
+    assert "Common Loss" in capsys.readouterr().err

@@ -25,6 +25,15 @@ A run lives in OUT/<name>-<optimizer>-<confighash>/; rerunning the same command 
 and skips a finished one (--force retrains it). Fields: see README ("Configuration")."""
 
 
+EPILOG_STUDY = """examples:
+  optquant study                                   # the default CPU study, into studies/cpu
+  optquant study --preset smoke                    # the same pipeline in about a minute
+  optquant study --set optimizers=adamw,muon,shampoo --set sizes=nano,micro
+  optquant study --set lrs.muon=0.01,0.02,0.04 --set run=train.tokens_per_param=10
+  optquant study --set sweeps.muon.optim.momentum=0.9,0.95   # a 1-D sweep at the smallest size
+  optquant study --preset paper --set executor=slurm --set run=data.source=/data/climbmix"""
+
+
 def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -54,6 +63,104 @@ def _train(args: argparse.Namespace) -> int:
     return 0 if summary["status"] == "done" else 3
 
 
+def _ptq_config(args: argparse.Namespace):
+    from optquant.quant.ptq import PTQConfig
+
+    return PTQConfig(method=args.method, w_bits=args.w_bits, a_bits=args.a_bits, format=args.format,
+                     grid=args.grid, w_group_size=args.group_size, quantize_head=args.quantize_head,
+                     rotation=args.rotation, act_order=args.act_order)
+
+
+def _analysis_config(args: argparse.Namespace):
+    from optquant.analysis import AnalysisConfig
+
+    return AnalysisConfig(weights=args.weights, mc_items=args.mc_items)
+
+
+def _ptq(args: argparse.Namespace) -> int:
+    from optquant.analysis import out_dir, ptq_eval
+
+    qcfg, acfg = _ptq_config(args), _analysis_config(args)
+    result = ptq_eval(args.run_dir, qcfg, acfg)
+    print(json.dumps(result, indent=2))
+    print(f"written: {out_dir(args.run_dir, acfg, qcfg.name)}/summary.json")
+    return 0
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from optquant.analysis import analyze, out_dir
+
+    qcfg, acfg = _ptq_config(args), _analysis_config(args)
+    result = analyze(args.run_dir, qcfg, acfg)
+    print(json.dumps(result, indent=2))
+    print(f"written: {out_dir(args.run_dir, acfg, qcfg.name)}/{{analysis.json,outliers.parquet,"
+          "propagation.parquet}")
+    return 0
+
+
+def _study(args: argparse.Namespace) -> int:
+    import time
+
+    from tqdm import tqdm
+
+    from optquant.config import load_toml
+    from optquant.study.plan import run_study
+    from optquant.study.spec import apply_study_overrides, estimate_jobs, study_preset
+
+    toml_preset, toml_overrides = load_toml(args.config) if args.config else (None, [])
+    spec = study_preset(args.preset or toml_preset or "cpu")
+    spec = apply_study_overrides(spec, toml_overrides + (args.set or []))
+    root = args.out or Path("studies") / spec.name
+    bar = tqdm(total=estimate_jobs(spec), unit="job", dynamic_ncols=True, disable=args.quiet)
+    start = time.time()
+
+    def on_event(event: dict) -> None:
+        if event["event"] == "stage":
+            bar.set_description(event["stage"])
+            return
+        bar.update(1)
+        result = event["result"]
+        loss = result.get("final_val_loss", result.get("delta_val_loss"))
+        status = result.get("status", "done")
+        msg = f"[{time.time() - start:7.1f}s] {event['stage']}: {event['key']} {status}"
+        if isinstance(loss, float):
+            msg += f" ({'val loss' if 'final_val_loss' in result else 'Δ val loss'} {loss:.4f})"
+        bar.set_postfix_str(event["key"][-40:])
+        bar.write(msg)
+
+    report = run_study(spec, root, on_event)
+    bar.close()
+    print(f"study done in {time.time() - start:.0f}s: {root}")
+    print(f"report: {report}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from optquant.report import render_report, report_markdown
+
+    path = render_report(args.study_dir)
+    print(report_markdown(args.study_dir))
+    print(f"report: {path}")
+    return 0
+
+
+def _add_quant_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", type=Path, help="a finished run directory (from optquant train)")
+    p.add_argument("--method", choices=["rtn", "gptq"], default="rtn")
+    p.add_argument("--w-bits", type=int, default=4, help="weight bits (16 = not quantized)")
+    p.add_argument("--a-bits", type=int, default=4, help="activation bits (16 = weight-only)")
+    p.add_argument("--format", choices=["int", "mxfp4", "nvfp4"], default="int")
+    p.add_argument("--grid", choices=["sym", "sym8", "odd", "asym"], default="sym",
+                   help="integer grid: sym [-7,7] (default), sym8 [-8,7], odd (16 levels, no zero), asym")
+    p.add_argument("--group-size", type=int, default=0, help="weight group size (0 = per output channel)")
+    p.add_argument("--rotation", choices=["none", "hadamard"], default="none")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian")
+    p.add_argument("--quantize-head", action="store_true", help="also quantize the LM head")
+    p.add_argument("--weights", choices=["final", "cl"], default="final",
+                   help="final weights or the Common-Loss checkpoint")
+    p.add_argument("--mc-items", type=int, default=200, help="multiple-choice items (0 = skip)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="optquant",
@@ -73,12 +180,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="retrain even if the run is done")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
-    for register in _EXTRA_COMMANDS:
-        register(sub)
+
+    p = sub.add_parser("ptq", help="quantize a trained run and measure the damage (val loss, MC accuracy)",
+                       description="Post-training quantization of a run's model; the paper's scheme is "
+                       "the default (W4A4 symmetric absmax RTN, weights per channel, activations per token).")
+    _add_quant_flags(p)
+    p.set_defaults(func=_ptq)
+    p = sub.add_parser("analyze", help="outlier metrics (MMR, kurtosis) and the ABC error propagation",
+                       description="Per-layer MMR/kurtosis of the FP model and the ABC decomposition "
+                       "(R, A, B, C, gains G, G1, G2 per module) against its quantized copy.")
+    _add_quant_flags(p)
+    p.set_defaults(func=_analyze)
+    p = sub.add_parser("study", help="the whole study: LR sweeps, Common Loss, PTQ, ABC, QAT, fits, report",
+                       description="Runs (or resumes) the whole pipeline. Presets: smoke (about a minute), "
+                       "cpu (the default; a 2-core CPU), gpu, paper. Rerunning a killed study redoes nothing "
+                       "that finished.", epilog=EPILOG_STUDY, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=["smoke", "cpu", "gpu", "paper"], help="study preset (default: cpu)")
+    p.add_argument("--config", type=Path, help="TOML file of study settings")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a study setting (repeatable)")
+    p.add_argument("--out", type=Path, help="study directory (default: studies/<preset>)")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.set_defaults(func=_study)
+    p = sub.add_parser("report", help="(re)build a study's HTML report from its files")
+    p.add_argument("study_dir", type=Path)
+    p.set_defaults(func=_report)
     return parser
-
-
-_EXTRA_COMMANDS: list = []
 
 
 def main(argv: list[str] | None = None) -> int:

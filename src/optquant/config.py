@@ -42,6 +42,7 @@ class TrainConfig:
     eval_batches: int = 8
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 autocast where it is fast
     cl_threshold: float | None = None  # Common Loss: keep the model that first reaches this val loss
+    stop_at_cl: bool = False  # end the run at that first crossing (a study's CL re-run needs no more)
 
 
 @dataclass(frozen=True)

@@ -192,12 +192,21 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
                 break
             state["best_val"] = min(state["best_val"], last_val)
             state["last_val"] = last_val
+            threshold = tc.cl_threshold
+            crossed = threshold is not None and state["cl_step"] is None and last_val <= threshold
+            if crossed:
+                state["cl_step"] = state["step"]
             if ctx.rank == 0:
-                _eval_record(run_dir, cfg, model, state, loss_sum, mult, last_val)
+                _eval_record(run_dir, cfg, state, loss_sum, mult, last_val)
+                if crossed:
+                    save_weights(run_dir / "cl_model.safetensors", model, {
+                        "step": str(state["step"]), "val_loss": repr(last_val), "threshold": repr(threshold)})
                 save_checkpoint(ckpt, model, {"optimizers": [o.state_dict() for o in optimizers],
                                               "rng": rng_state(gen), "loop": state})
+            if tc.stop_at_cl and state["cl_step"] is not None:
+                break
     summary = {
-        "status": status, "diverged_step": diverged_step, "steps": state["step"],
+        "run_id": run_dir.name, "status": status, "diverged_step": diverged_step, "steps": state["step"],
         "final_val_loss": last_val if status == "done" else None,
         "best_val_loss": state["best_val"] if math.isfinite(state["best_val"]) else None,
         "cl_threshold": tc.cl_threshold, "cl_step": state["cl_step"],
@@ -217,17 +226,12 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     return summary
 
 
-def _eval_record(run_dir: Path, cfg: RunConfig, model: nn.Module, state: dict, loss: float,
-                 mult: float, val_loss: float) -> None:
+def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: float,
+                 val_loss: float) -> None:
     record = {"step": state["step"], "train_loss": loss, "val_loss": val_loss,
               "lr": cfg.optim.lr * mult, "tokens": state["step"] * cfg.train.batch_size * cfg.model.seq_len}
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
-    threshold = cfg.train.cl_threshold
-    if threshold is not None and state["cl_step"] is None and val_loss <= threshold:
-        state["cl_step"] = state["step"]
-        save_weights(run_dir / "cl_model.safetensors", model,
-                     {"step": str(state["step"]), "val_loss": repr(val_loss), "threshold": repr(threshold)})
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

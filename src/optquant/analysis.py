@@ -1,0 +1,159 @@
+"""PTQ and analysis of a finished run: what `optquant ptq` and `optquant analyze` do.
+
+`ptq_eval` quantizes a copy of a run's model (final or Common-Loss weights) and measures the damage
+on the very tokens the run validated on: validation loss and the built-in multiple-choice accuracy,
+FP and quantized. `analyze` measures the FP model's outliers (MMR, kurtosis, kurtRMS per layer) and
+the ABC error propagation between the FP model and its quantized copy, per module.
+
+Both evaluate in fp32 (no autocast), so the measured damage is the quantizer's and not bf16's.
+GPTQ calibrates on sequences from the *train* split; outliers and ABC use the first validation
+batches. Outputs go to `<run>/ptq/<weights>/<scheme>/` as JSON and parquet, written atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pandas as pd
+import torch
+from torch import nn
+
+from optquant.checkpoint import atomic_write_json, load_weights, read_json
+from optquant.config import RunConfig
+from optquant.data import fixed_batches, load_tokens
+from optquant.errors import OptquantError
+from optquant.evaluate import MCConfig, mc_eval, val_loss
+from optquant.metrics.outliers import aggregate, outlier_metrics
+from optquant.metrics.propagation import PropagationConfig, propagation, ptq_pair
+from optquant.model import LM
+from optquant.quant.ptq import SCHEMES, PTQConfig
+from optquant.runs import read_config
+
+log = logging.getLogger(__name__)
+
+Weights = Literal["final", "cl"]
+WEIGHT_FILES = {"final": "model.safetensors", "cl": "cl_model.safetensors"}
+
+
+@dataclass(frozen=True)
+class AnalysisConfig:
+    weights: Weights = "final"
+    eval_batches: int = 0  # validation batches for the losses; 0 = the run's own train.eval_batches
+    mc_items: int = 200  # items of the built-in multiple-choice task (0 = skip it)
+    calib_batches: int = 2  # validation batches for outliers and ABC
+    gptq_sequences: int = 64  # train-split sequences for GPTQ's Hessians
+    granularity: Literal["sublayer", "linear"] = "linear"  # ABC rows: sublayers, or also each linear
+
+
+def scheme_config(name: str) -> PTQConfig:
+    """The PTQConfig of a named scheme ("w4a4-rtn", "w4a4-gptq-had", ...; see quant.ptq.SCHEMES)."""
+    if name not in SCHEMES:
+        raise OptquantError(f"unknown PTQ scheme {name!r}; choose from {', '.join(SCHEMES)}")
+    return SCHEMES[name]
+
+
+def load_run_model(run_dir: Path, weights: Weights = "final") -> tuple[RunConfig, nn.Module]:
+    cfg = read_config(run_dir)
+    path = Path(run_dir) / WEIGHT_FILES[weights]
+    if not path.exists():
+        what = "no Common Loss checkpoint (train with train.cl_threshold)" if weights == "cl" else \
+            "no final weights (the run is not done or diverged)"
+        raise OptquantError(f"{run_dir}: {what}")
+    model = LM(cfg.model)
+    if cfg.qat is not None:
+        from optquant.quant.qat import prepare_qat_
+
+        prepare_qat_(model, cfg.qat)
+    return cfg, load_weights(path, model).eval()
+
+
+def _batches(cfg: RunConfig, tokens, n: int, seed: int) -> list:
+    micro = cfg.train.batch_size // cfg.train.grad_accum
+    return fixed_batches(tokens, n, micro, cfg.model.seq_len, seed=seed)
+
+
+def mc_config(cfg: RunConfig, acfg: AnalysisConfig) -> MCConfig:
+    """The built-in MC task, its context shortened to fit the model's window if needed."""
+    base = MCConfig(n_items=acfg.mc_items, seed=cfg.seed)
+    return dataclasses.replace(base, context_len=min(base.context_len, cfg.model.seq_len + 1 - base.cont_len))
+
+
+def out_dir(run_dir: Path, acfg: AnalysisConfig, scheme: str) -> Path:
+    return Path(run_dir) / "ptq" / acfg.weights / scheme
+
+
+def ptq_eval(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig()) -> dict[str, Any]:
+    """Val loss and MC accuracy of the FP model and its quantized copy; writes summary.json."""
+    cfg, model = load_run_model(run_dir, acfg.weights)
+    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
+    fp, q = ptq_pair(model, qcfg, _gptq_calib(cfg, data, acfg) if qcfg.method == "gptq" else None)
+    out = {"scheme": qcfg.name, "weights": acfg.weights, "ptq": dataclasses.asdict(qcfg)}
+    for tag, m in (("fp", fp), ("q", q)):
+        out[f"val_loss_{tag}"] = val_loss(m, val).loss
+        if acfg.mc_items:
+            mc = mc_eval(m, data, mc_config(cfg, acfg))
+            out[f"mc_acc_{tag}"], out[f"mc_acc_norm_{tag}"] = mc.acc, mc.acc_norm
+    out["delta_val_loss"] = out["val_loss_q"] - out["val_loss_fp"]
+    if acfg.mc_items:
+        out["delta_acc_norm"] = out["mc_acc_norm_q"] - out["mc_acc_norm_fp"]
+    atomic_write_json(out_dir(run_dir, acfg, qcfg.name) / "summary.json", out)
+    return out
+
+
+def analyze(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig()) -> dict[str, Any]:
+    """Outliers of the FP model and the ABC decomposition against its quantized copy."""
+    cfg, model = load_run_model(run_dir, acfg.weights)
+    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    calib = _batches(cfg, data.val, acfg.calib_batches, cfg.seed + 12345)
+    skip = () if qcfg.quantize_head else ("lm_head",)
+    layers = outlier_metrics(model, calib, skip=skip)
+    fp, q = ptq_pair(model, qcfg, None if qcfg.method == "rtn" else _gptq_calib(cfg, data, acfg))
+    rows, summary = propagation(fp, q, calib, PropagationConfig(granularity=acfg.granularity, skip=skip))
+    out = out_dir(run_dir, acfg, qcfg.name)
+    write_parquet(out / "outliers.parquet", pd.DataFrame([dataclasses.asdict(r) for r in layers]))
+    write_parquet(out / "propagation.parquet", pd.DataFrame([dataclasses.asdict(r) for r in rows]))
+    result = {"scheme": qcfg.name, "weights": acfg.weights, **aggregate(layers),
+              **{k: v for k, v in dataclasses.asdict(summary).items() if k != "norm"}}
+    result = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
+    atomic_write_json(out / "analysis.json", result)
+    return result
+
+
+def fp_outliers(run_dir: Path, acfg: AnalysisConfig = AnalysisConfig()) -> dict[str, Any]:
+    """Model-level outlier metrics of a run's FP model alone (for MMR vs learning rate)."""
+    path = Path(run_dir) / "ptq" / acfg.weights / "outliers.json"
+    if path.exists():
+        return read_json(path)
+    cfg, model = load_run_model(run_dir, acfg.weights)
+    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    result = aggregate(outlier_metrics(model, _batches(cfg, data.val, acfg.calib_batches, cfg.seed + 12345)))
+    result = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
+    atomic_write_json(path, result)
+    return result
+
+
+def _gptq_calib(cfg: RunConfig, data, acfg: AnalysisConfig) -> torch.Tensor:
+    micro = cfg.train.batch_size // cfg.train.grad_accum
+    batches = _batches(cfg, data.train, 1 + acfg.gptq_sequences // micro, 777)
+    return torch.cat([x for x, _ in batches])[: acfg.gptq_sequences]
+
+
+def write_parquet(path: Path, df: pd.DataFrame) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    df.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def read_result(run_dir: Path, acfg: AnalysisConfig, scheme: str, what: str) -> dict | None:
+    path = out_dir(run_dir, acfg, scheme) / what
+    return read_json(path) if path.exists() else None
