@@ -47,45 +47,67 @@ CAVEAT = (
 )
 
 
-def _sections(d: StudyData, fig_dir: Path) -> list[Section]:
-    scheme = d.paper_scheme()
-    other = [table3(d, s) for s in d.schemes("cl") if s != scheme]
+def _fp_section(d: StudyData, fig_dir: Path) -> Section:
+    timing = paper_values_table(
+        "paper-timing", "Table 9 step time at 760M (s)", paper.TIMING_760M, paper.TIMING_SOURCES, "s / step"
+    )
+    blocks = (
+        (table2(d), paper_table(paper.TABLE2_ACC, "paper-t2")),
+        curves.fig_lr_sweeps(d, fig_dir),
+        curves.fig_training_curves(d, fig_dir),
+        (cost_table(d), timing),
+    )
+    intro = "Each optimizer's LR sweep per size; the best LR is chosen by final validation loss."
+    return Section("fp", "Full-precision baselines (Table 2)", intro, blocks)
+
+
+def _ptq_sections(d: StudyData, fig_dir: Path) -> list[Section]:
+    scheme = d.paper_scheme() or "w4a4-rtn"
+    other = tuple(table3(d, s) for s in d.schemes("cl") if s != scheme)
     corr_paper = paper_values_table(
         "paper-corr", "Fig. 1 correlations at 760M (vs post-PTQ accuracy)", paper.CORRELATIONS_760M,
         paper.CORRELATIONS_SOURCES, "ρ",
+    )  # fmt: skip
+    ptq = ((table3(d, scheme), paper_table(paper.TABLE3_PTQ_ACC, "paper-t3")), table3_schemes(d), *other)
+    outliers = (
+        figures.fig1_damage_vs_metrics(d, fig_dir),
+        (correlation_table(d), corr_paper),
+        figures.fig2_mmr_vs_lr(d, fig_dir),
     )
-    timing = paper_values_table("paper-timing", "Table 9 step time at 760M (s)", paper.TIMING_760M,
-                                paper.TIMING_SOURCES, "s / step")
     return [
-        Section("fp", "Full-precision baselines (Table 2)",
-                "Each optimizer's LR sweep per size; the best LR is chosen by final validation loss.",
-                ((table2(d), paper_table(paper.TABLE2_ACC, "paper-t2")),
-                 curves.fig_lr_sweeps(d, fig_dir), curves.fig_training_curves(d, fig_dir),
-                 (cost_table(d), timing))),
         Section("ptq", "Post-training quantization at the Common Loss (Table 3)",
                 "Every optimizer's model is taken at the first checkpoint reaching the size's common "
-                "validation loss, then quantized; lower Δ val loss means more robust.",
-                ((table3(d, scheme) if scheme else table3(d, "w4a4-rtn"),
-                  paper_table(paper.TABLE3_PTQ_ACC, "paper-t3")), table3_schemes(d), *other)),
+                "validation loss, then quantized; lower Δ val loss means more robust.", ptq),
         Section("outliers", "Outlier metrics vs PTQ damage (Figs. 1–2)",
-                "Do MMR, kurtosis or R_L predict which model is hurt most by quantization?",
-                (figures.fig1_damage_vs_metrics(d, fig_dir), (correlation_table(d), corr_paper),
-                 figures.fig2_mmr_vs_lr(d, fig_dir))),
+                "Do MMR, kurtosis or R_L predict which model is hurt most by quantization?", outliers),
         Section("abc", "Error propagation: the ABC decomposition (Figs. 3–4)",
                 "R = A + B + C per module: A is the error carried in from earlier layers, B the error this "
                 "module adds, C their interaction; G = A / R_in is the module's gain.",
                 (figures.fig3_abc(d, fig_dir), figures.fig4_gains(d, fig_dir))),
+    ]  # fmt: skip
+
+
+def _qat_sections(d: StudyData, fig_dir: Path) -> list[Section]:
+    qat = ((table4(d), paper_table(paper.TABLE4_QAT_ACC, "paper-t4"),
+            paper_table(paper.TABLE4_QAT_REL, "paper-t4rel")),)  # fmt: skip
+    scaling = (
+        (table10(d), paper_table(paper.TABLE10_FITS, "paper-t10")),
+        table10_joint(d),
+        curves.fig_scaling(d, fig_dir),
+    )
+    return [
         Section("qat", "Quantization-aware training (Table 4)",
-                "QuEST W4A4 trained from scratch at each optimizer's best full-precision LR.",
-                ((table4(d), paper_table(paper.TABLE4_QAT_ACC, "paper-t4"),
-                  paper_table(paper.TABLE4_QAT_REL, "paper-t4rel")),)),
+                "QuEST W4A4 trained from scratch at each optimizer's best full-precision LR.", qat),
         Section("scaling", "Scaling laws and 4-bit parameter efficiency (Table 10)",
                 "ρ_4bit < 1 means a 4-bit QAT model with N parameters is worth a ρ·N-parameter FP model.",
-                ((table10(d), paper_table(paper.TABLE10_FITS, "paper-t10")), table10_joint(d),
-                 curves.fig_scaling(d, fig_dir))),
+                scaling),
         Section("claims", "Paper claims vs this study", "Computed from the tables and figures above.",
                 (claims_table(d),)),
-    ]
+    ]  # fmt: skip
+
+
+def _sections(d: StudyData, fig_dir: Path) -> list[Section]:
+    return [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir)]
 
 
 def _header(d: StudyData) -> str:

@@ -1,0 +1,237 @@
+"""The paper's Figs. 1–4 from a study's files: PTQ damage vs metrics, MMR vs LR, ABC per module, gains.
+
+Figures are drawn on matplotlib `Figure` objects with an explicit Agg canvas, never through pyplot, so
+building a report changes no global backend state and leaks no open figures. Every `Plot` caption names
+the files and row filters it was made from and how many points it shows; a figure without inputs is a
+`Plot` with a `missing` reason and no file. Our damage axis is Δ val loss (quantized − FP), where the
+paper plots post-PTQ accuracy, so our correlation signs are the paper's flipped (paper.md §6.2, §10.3).
+
+Left out on purpose: interactive plots, and per-layer outlier profiles (ptq/<run_id>/none/outliers.parquet
+is not plotted; the figures use the model-level MMR and kurtosis rows of results.parquet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from optquant.report.load import StudyData, fmt_ci, fmt_lr
+from optquant.report.tables import NOT_RUN
+
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+@dataclass(frozen=True)
+class Plot:
+    key: str
+    title: str
+    src: str = ""  # path relative to the report directory
+    caption: str = ""
+    missing: str = ""
+
+
+def missing(key: str, title: str, why: str) -> Plot:
+    return Plot(key, title, missing=f"{NOT_RUN}: {why}")
+
+
+def grid(n: int, ncols: int = 3, w: float = 3.8, h: float = 2.9) -> tuple[Figure, list]:
+    """A figure with n panels on an Agg canvas; unused cells are hidden."""
+    ncols = max(1, min(ncols, n))
+    nrows = -(-n // ncols)
+    fig = Figure(figsize=(w * ncols, h * nrows + 0.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = list(np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel())
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
+def save(fig: Figure, out_dir: Path, key: str) -> str:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_dir / f"{key}.png", dpi=100)
+    return f"figures/{key}.png"
+
+
+def optimizer_legend(fig: Figure, d: StudyData, opts: list[str], sizes: list[str] | None = None) -> None:
+    handles = [Line2D([], [], color=d.color(o), marker="o", ls="-", label=d.label(o)) for o in opts]
+    for i, s in enumerate(sizes or []):
+        handles.append(Line2D([], [], color="0.3", marker=MARKERS[i % len(MARKERS)], ls="", label=s))
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 9), fontsize=8, frameon=False)
+
+
+def log_axis(ax, which: str = "x", label: Callable[[float], str] | None = None) -> None:
+    """Log scale with ticks at 1, 2, 5 × 10^k labelled by `label` (e.g. fmt_lr); with the defaults a
+    range under a decade gets only minor ticks, whose labels overlap."""
+    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_minor_formatter(NullFormatter())
+    axis.set_major_formatter(FuncFormatter(lambda v, _: (label or (lambda x: f"{x:.3g}"))(v)))
+
+
+def auto_scale(ax, which: str, values: object) -> None:
+    """Log only when the positive values span more than a factor of 30; else linear."""
+    v = np.asarray(values, dtype=float).ravel()
+    v = v[np.isfinite(v) & (v > 0)]
+    if v.size and v.max() / v.min() > 30:
+        log_axis(ax, which)
+
+
+def positive(v: pd.Series) -> np.ndarray:
+    """Values for a log axis: non-positive entries become NaN instead of being clipped."""
+    a = v.to_numpy(dtype=float)
+    return np.where(a > 0, a, np.nan)
+
+
+# ---------------------------------------------------------------- Fig. 1
+def _corr_text(d: StudyData, scheme: str, metric: str) -> str:
+    c = d.correlations
+    if c is None or c.empty:
+        return "no correlations.parquet"
+    lines = []
+    for size in ("all", d.largest()):
+        r = c[(c["scheme"] == scheme) & (c["metric"] == metric) & (c["target"] == "delta_val_loss")]
+        r = r[r["size"].astype(str) == size]
+        if len(r):
+            x = r.iloc[0]
+            p = fmt_ci(x["pearson"], (x["pearson_lo"], x["pearson_hi"]), 2)
+            lines.append(f"{size} (n={int(x['n'])}): Pearson {p}, Spearman {x['spearman']:+.2f}")
+    return "\n".join(lines) or "no correlation row"
+
+
+def fig1_damage_vs_metrics(d: StudyData, out: Path) -> Plot:
+    title = "Fig. 1 — PTQ damage vs MMR, kurtosis and R_L"
+    scheme = d.paper_scheme()
+    if scheme is None:
+        return missing("fig1", title, "no PTQ rows (kind=cl with a scheme)")
+    damage = d.rows("cl", "delta_val_loss", scheme).set_index("run_id")["value"].rename("damage")
+    cols = {
+        "mmr": d.rows("cl", "mmr"),
+        "kurtosis": d.rows("cl", "kurtosis"),
+        "R_L": d.rows("cl", "R_L", scheme),
+    }
+    df = damage.to_frame()
+    for m, rows in cols.items():
+        df = df.join(rows.set_index("run_id")["value"].rename(m), how="left")
+    meta = d.results.drop_duplicates("run_id").set_index("run_id")[["size", "optimizer"]]
+    df = df.join(meta, how="left")
+    present = [m for m in cols if m in df and df[m].notna().any()]
+    if df.empty or not present:
+        return missing("fig1", title, f"no Δ val loss with MMR/kurtosis/R_L under {scheme}")
+    fig, axes = grid(len(present), w=4.2, h=3.4)
+    sizes = [s for s in d.sizes if s in set(df["size"])]
+    for ax, m in zip(axes, present, strict=True):
+        for o, g in df.groupby("optimizer"):
+            for s, gs in g.groupby("size"):
+                mk = MARKERS[sizes.index(s) % len(MARKERS)]
+                ax.scatter(gs[m], gs["damage"], color=d.color(o), marker=mk, s=28, alpha=0.85)
+        ax.set_xlabel(m)
+        auto_scale(ax, "x", df[m])
+        ax.set_title(f"{m}\n{_corr_text(d, scheme, m)}", fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"Δ val loss ({scheme})")
+    optimizer_legend(fig, d, [o for o in d.optimizers if o in set(df["optimizer"])], sizes)
+    caption = (
+        f"From results.parquet kind=cl: delta_val_loss and R_L at scheme={scheme}, mmr and kurtosis at "
+        f"scheme=none; {len(df)} CL models (colour: optimizer, marker: size). Titles: correlations.parquet "
+        "rows with target=delta_val_loss (all sizes, and the largest size). The paper correlates with "
+        "post-PTQ accuracy at 760M (MMR 0.62, kurtosis 0.70, R_L −0.89), so its signs are the reverse "
+        "of ours."
+    )
+    return Plot("fig1", title, save(fig, out, "fig1_damage_vs_metrics"), caption)
+
+
+# ---------------------------------------------------------------- Fig. 2
+def fig2_mmr_vs_lr(d: StudyData, out: Path) -> Plot:
+    title = "Fig. 2 — MMR vs learning rate"
+    fp = d.rows("fp", "mmr")
+    sweep = not fp.empty and int(fp.groupby(["optimizer", "size"])["lr"].nunique().max()) >= 2
+    src = fp if sweep else d.rows("cl", "mmr")
+    if src.empty:
+        return missing("fig2", title, "no MMR rows (metric=mmr) for fp or cl models")
+    sizes = [s for s in d.sizes if s in set(src["size"])]
+    fig, axes = grid(len(sizes))
+    for ax, s in zip(axes, sizes, strict=True):
+        for o, g in src[src["size"] == s].groupby("optimizer"):
+            m = g.groupby("lr")["value"].mean()
+            ax.plot(m.index, m.values, marker="o", color=d.color(o), label=d.label(o))
+        log_axis(ax, "x", fmt_lr)
+        ax.set_xlabel("peak learning rate")
+        ax.set_title(d.size_label(s), fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("MMR (model level)")
+    optimizer_legend(fig, d, [o for o in d.optimizers if o in set(src["optimizer"])])
+    kind = "fp" if sweep else "cl"
+    caption = f"From results.parquet kind={kind}, scheme=none, metric=mmr ({len(src)} rows, mean over seeds). "
+    if not sweep:
+        caption += (
+            "MMR was measured only on the Common-Loss models (one LR per optimizer and size), so this shows "
+            "one point per optimizer and size; the paper's LR trend needs MMR on the LR-sweep runs."
+        )
+    return Plot("fig2", title, save(fig, out, "fig2_mmr_vs_lr"), caption)
+
+
+# ---------------------------------------------------------------- Fig. 3
+def fig3_abc(d: StudyData, out: Path) -> Plot:
+    title = "Fig. 3 — per-module relative error R = A + B + C"
+    got = d.propagation_set()
+    if got is None:
+        return missing("fig3", title, "no ptq/<run_id>/<scheme>/propagation.parquet for the CL models")
+    size, scheme, frames = got
+    fig, axes = grid(len(frames), h=2.8)
+    n_mod = 0
+    for ax, (o, df) in zip(axes, frames.items(), strict=True):
+        ch = df[df["kind"] != "linear"].sort_values("index")
+        n_mod += len(ch)
+        x = np.arange(len(ch))
+        ax.plot(x, positive(ch["R"]), color="black", lw=2, label="R")
+        for term, color, ls in (("A", "#1f77b4", "-"), ("B", "#ff7f0e", "-"), ("C", "#2ca02c", ":")):
+            ax.plot(x, positive(ch[term].abs() if term == "C" else ch[term]), color=color, ls=ls, label=term)
+        log_axis(ax, "y")
+        ax.set_title(d.label(o), fontsize=9, color=d.color(o))
+        ax.set_xlabel("module (forward order)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("relative error")
+    axes[0].legend(fontsize=7, labels=["R", "A (propagated)", "B (local)", "|C| (interaction)"])
+    caption = (
+        f"From ptq/<run_id>/{scheme}/propagation.parquet of the {len(frames)} CL models at size {size}: rows "
+        f"with kind ≠ linear in forward order ({n_mod} modules in all). |C| is drawn because C can be "
+        "negative; a log axis hides zeros (A at the first module)."
+    )
+    return Plot("fig3", title, save(fig, out, "fig3_abc"), caption)
+
+
+# ---------------------------------------------------------------- Fig. 4
+def fig4_gains(d: StudyData, out: Path) -> Plot:
+    title = "Fig. 4 — linear-layer gain G = G₁·G₂"
+    got = d.propagation_set()
+    lin = {} if got is None else {o: df[df["kind"] == "linear"].sort_values("index") for o, df in got[2].items()}
+    lin = {o: df for o, df in lin.items() if len(df)}
+    if got is None or not lin:
+        return missing("fig4", title, "no linear-layer rows in propagation.parquet")
+    size, scheme, _ = got
+    fig, axes = grid(3, w=4.3, h=3.1)
+    for ax, q, name in zip(axes, ("G", "G1", "G2"), ("gain G", "spectral ratio G₁", "alignment ratio G₂"), strict=True):
+        for o, df in lin.items():
+            ax.plot(np.arange(len(df)), positive(df[q]), color=d.color(o), lw=1.2, marker=".", ms=3)
+        ax.axhline(1.0, color="0.4", lw=0.8, ls="--")
+        auto_scale(ax, "y", np.concatenate([df[q].to_numpy(dtype=float) for df in lin.values()]))
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("linear layer (forward order)")
+        ax.grid(alpha=0.3)
+    optimizer_legend(fig, d, list(lin))
+    n = sum(len(df) for df in lin.values())
+    caption = (
+        f"From ptq/<run_id>/{scheme}/propagation.parquet at size {size}: rows with kind=linear, columns G, "
+        f"G1, G2 ({n} layer rows over {len(lin)} optimizers). Dashed: 1. The paper finds G₁ ≈ 1, Muon "
+        "with the highest gain and AdamW/Shampoo the lowest."
+    )
+    return Plot("fig4", title, save(fig, out, "fig4_gains"), caption)

@@ -1,0 +1,270 @@
+"""Read the files a study writes into one `StudyData`; every later step of the report reads only this.
+
+Why a loader of its own: the report must rebuild from a finished study directory without retraining, and a
+study may be partial (no QAT, no fits). Each optional input loads as empty/None and the section that needs it
+says "not run in this study". Files read: study.json, results.parquet (long table, one row per run × scheme
+× metric), correlations.parquet, fits.json, ptq/<run_id>/<scheme>/{propagation,outliers}.parquet and
+runs/<run_id>/metrics.jsonl. fits.json is accepted both as `optquant.scaling` `to_dict` output (ρ as
+{"4bit": x}, interval names "rho_4bit", "rho_4bit/<opt>") and as plain numbers (ρ: x, interval "rho").
+
+Left out on purpose: schema migrations; a missing required column is an error, not a guess.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from optquant.errors import OptquantError
+from optquant.report.paper import LABELS
+
+log = logging.getLogger(__name__)
+
+RESULT_COLUMNS = (
+    "size",
+    "n_params",
+    "optimizer",
+    "lr",
+    "seed",
+    "kind",
+    "best_lr",
+    "scheme",
+    "metric",
+    "value",
+)
+PAPER_SCHEME = "w4a4-rtn"  # the paper's PTQ scheme (paper.md §5)
+_COLORS = {
+    "adamw": "#1f77b4",
+    "muon": "#d62728",
+    "psgd": "#9467bd",
+    "scion": "#ff7f0e",
+    "shampoo": "#2ca02c",
+    "soap": "#8c564b",
+}
+_EXTRA_COLORS = ("#17becf", "#e377c2", "#7f7f7f", "#bcbd22")
+
+
+@dataclass(frozen=True)
+class StudyData:
+    root: Path
+    spec: dict
+    sizes: tuple[str, ...]  # presets, smallest first
+    n_params: dict[str, float]
+    optimizers: tuple[str, ...]
+    results: pd.DataFrame
+    correlations: pd.DataFrame | None
+    fits: dict | None
+
+    # ---------------------------------------------------------------- row selection
+    def rows(self, kind: str, metric: str, scheme: str | None = "none", best: bool | None = None) -> pd.DataFrame:
+        r = self.results
+        m = (r["kind"] == kind) & (r["metric"] == metric)
+        if scheme is not None:
+            m &= r["scheme"] == scheme
+        if best is not None:
+            m &= r["best_lr"] == best
+        return r[m]
+
+    def cell(self, kind: str, metric: str, scheme: str | None = "none", best: bool | None = None) -> dict:
+        """{(size, optimizer): mean value over seeds/runs} of the selected rows."""
+        df = self.rows(kind, metric, scheme, best)
+        if df.empty:
+            return {}
+        return {k: float(v) for k, v in df.groupby(["size", "optimizer"])["value"].mean().items()}
+
+    def has(self, kind: str, metric: str | None = None) -> bool:
+        r = self.results
+        m = r["kind"] == kind
+        if metric is not None:
+            m &= r["metric"] == metric
+        return bool(m.any())
+
+    def schemes(self, kind: str = "cl") -> tuple[str, ...]:
+        s = set(self.results.loc[self.results["kind"] == kind, "scheme"]) - {"none"}
+        return tuple(sorted(s, key=lambda x: (x != PAPER_SCHEME, x)))
+
+    def paper_scheme(self) -> str | None:
+        """W4A4 RTN if the study ran it, else the first PTQ scheme (None without PTQ)."""
+        s = self.schemes("cl")
+        return s[0] if s else None
+
+    def largest(self) -> str | None:
+        """The largest size with any result rows (study.json may list sizes that never ran)."""
+        ran = set(self.results["size"])
+        pool = [s for s in self.sizes if s in ran]
+        return pool[-1] if pool else None
+
+    def cl_runs(self, size: str) -> dict[str, str]:
+        """{optimizer: run_id} of the Common-Loss models at `size`."""
+        r = self.results
+        df = r[(r["kind"] == "cl") & (r["size"] == size)]
+        return {o: str(g["run_id"].iloc[0]) for o, g in df.groupby("optimizer")}
+
+    def best_runs(self, size: str, kind: str = "fp") -> dict[str, str]:
+        r = self.results
+        df = r[(r["kind"] == kind) & (r["size"] == size) & r["best_lr"]]
+        return {o: str(g["run_id"].iloc[0]) for o, g in df.groupby("optimizer")}
+
+    # ---------------------------------------------------------------- per-run files
+    def propagation_path(self, run_id: str, scheme: str) -> Path:
+        return self.root / "ptq" / run_id / scheme / "propagation.parquet"
+
+    def propagation(self, run_id: str, scheme: str) -> pd.DataFrame | None:
+        return _read_parquet(self.propagation_path(run_id, scheme))
+
+    def propagation_set(self) -> tuple[str, str, dict[str, pd.DataFrame]] | None:
+        """(size, scheme, {optimizer: propagation frame}) for the largest size whose CL models have ABC
+        files under the paper's scheme (Figs. 3–4 use the largest model, as the paper does)."""
+        scheme = self.paper_scheme()
+        if scheme is None:
+            return None
+        for size in reversed(self.sizes):
+            runs = self.cl_runs(size)
+            frames = {o: df for o, r in runs.items() if (df := self.propagation(r, scheme)) is not None}
+            if frames:
+                return size, scheme, {o: frames[o] for o in self.optimizers if o in frames}
+        return None
+
+    def curve(self, run_id: str) -> pd.DataFrame | None:
+        """runs/<run_id>/metrics.jsonl as a frame (None if absent or empty)."""
+        path = self.root / "runs" / run_id / "metrics.jsonl"
+        if not path.is_file():
+            return None
+        lines = [json.loads(s) for s in path.read_text().splitlines() if s.strip()]
+        return pd.DataFrame(lines) if lines else None
+
+    # ---------------------------------------------------------------- display
+    def label(self, opt: str) -> str:
+        return LABELS.get(opt, opt)
+
+    def color(self, opt: str) -> str:
+        if opt in _COLORS:
+            return _COLORS[opt]
+        extra = [o for o in self.optimizers if o not in _COLORS]
+        return _EXTRA_COLORS[extra.index(opt) % len(_EXTRA_COLORS)] if opt in extra else "#333333"
+
+    def size_label(self, size: str) -> str:
+        n = self.n_params.get(size)
+        return f"{size} ({fmt_count(n)})" if n else size
+
+
+def load_study(study_dir: str | Path) -> StudyData:
+    root = Path(study_dir)
+    if not root.is_dir():
+        raise OptquantError(f"study directory {root} does not exist")
+    info = _read_json(root / "study.json") or {}
+    results = _read_results(root / "results.parquet")
+    sizes_info = info.get("sizes") or {}
+    n_params = {s: float(v.get("n_params", math.nan)) for s, v in sizes_info.items() if isinstance(v, dict)}
+    for s, g in results.groupby("size"):
+        n_params.setdefault(str(s), float(g["n_params"].median()))
+    sizes = tuple(sorted(set(n_params) | set(results["size"]), key=lambda s: (n_params.get(s, math.inf), s)))
+    opts = set(results["optimizer"])
+    order = list(LABELS)
+    optimizers = tuple(sorted(opts, key=lambda o: (order.index(o) if o in order else len(order), o)))
+    return StudyData(
+        root=root,
+        spec=info.get("spec") or {},
+        sizes=sizes,
+        n_params=n_params,
+        optimizers=optimizers,
+        results=results,
+        correlations=_read_parquet(root / "correlations.parquet"),
+        fits=_read_json(root / "fits.json"),
+    )
+
+
+def _read_results(path: Path) -> pd.DataFrame:
+    if not path.is_file():
+        log.info("%s missing: every results section will say 'not run'", path)
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in RESULT_COLUMNS + ("run_id",)})
+    df = pd.read_parquet(path)
+    missing = [c for c in RESULT_COLUMNS if c not in df.columns]
+    if missing:
+        raise OptquantError(f"{path} lacks column(s) {missing}; has {list(df.columns)}")
+    df = df.copy()
+    df["best_lr"] = df["best_lr"].fillna(False).astype(bool)
+    df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)
+    df["size"] = df["size"].astype(str)
+    if "run_id" not in df.columns:
+        df["run_id"] = ""
+    return df
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise OptquantError(f"{path} is not valid JSON: {e}") from e
+
+
+def _read_parquet(path: Path) -> pd.DataFrame | None:
+    return pd.read_parquet(path) if path.is_file() else None
+
+
+# ---------------------------------------------------------------- fits.json
+def fit_rho4(rho: object) -> float:
+    """ρ_4bit from either a number or scaling.py's {"4bit": x}."""
+    if isinstance(rho, dict):
+        rho = rho.get("4bit", math.nan)
+    return math.nan if rho is None else float(rho)
+
+
+def fit_interval(intervals: dict | None, *names: str) -> tuple[float, float]:
+    for n in names:
+        v = (intervals or {}).get(n)
+        if v is not None and len(v) == 2:
+            return tuple(math.nan if b is None else float(b) for b in v)  # type: ignore[return-value]
+    return (math.nan, math.nan)
+
+
+def predict_loss(fit: dict, n: np.ndarray, rho: float = 1.0) -> np.ndarray:
+    """L̂ = A/(N·ρ)^α + E (paper.md §9) from a fits.json entry."""
+    return float(fit["A"]) / (np.asarray(n, dtype=float) * rho) ** float(fit["alpha"]) + float(fit["E"])
+
+
+# ---------------------------------------------------------------- formatting
+def fmt(v: float | None, digits: int = 4) -> str:
+    if v is None or not np.isfinite(v):
+        return "–"
+    return f"{v:.{digits}f}"
+
+
+def fmt_lr(lr: float) -> str:
+    if not np.isfinite(lr) or lr <= 0:
+        return "–"
+    m, e = f"{lr:.2e}".split("e")
+    m = m.rstrip("0").rstrip(".")
+    return f"{m}e{int(e)}"
+
+
+def fmt_count(n: float | None) -> str:
+    if n is None or not np.isfinite(n):
+        return "–"
+    for unit, k in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= k:
+            return f"{n / k:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None or not np.isfinite(n):
+        return "–"
+    for unit, k in (("GB", 2**30), ("MB", 2**20), ("kB", 2**10)):
+        if abs(n) >= k:
+            return f"{n / k:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_ci(v: float, ci: tuple[float, float], digits: int = 3) -> str:
+    if not all(np.isfinite(ci)):
+        return fmt(v, digits)
+    return f"{fmt(v, digits)} [{fmt(ci[0], digits)}, {fmt(ci[1], digits)}]"
