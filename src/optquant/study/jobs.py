@@ -1,0 +1,49 @@
+"""The study's two kinds of job, each idempotent: train one run; quantize and analyse one model.
+
+A run directory is locked (fcntl, released when the process dies) while a job works in it, so an
+orphaned worker of a killed study and the rerun never write the same run at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from optquant.analysis import AnalysisConfig, analyze, fp_outliers, out_dir, ptq_eval, read_result
+from optquant.config import from_dict
+from optquant.quant.ptq import PTQConfig
+from optquant.train import train
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def train_job(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
+    with locked(Path(run_dir)):
+        return train(from_dict(config), Path(run_dir))
+
+
+def ptq_job(run_dir: str, ptq: dict[str, Any], weights: str, mc_items: int) -> dict[str, Any]:
+    """PTQ damage + outliers + ABC for one (model, scheme); reuses what an earlier attempt wrote."""
+    qcfg, acfg = PTQConfig(**ptq), AnalysisConfig(weights=weights, mc_items=mc_items)
+    path = Path(run_dir)
+    with locked(out_dir(path, acfg, qcfg.name)):
+        damage = read_result(path, acfg, qcfg.name, "summary.json") or ptq_eval(path, qcfg, acfg)
+        metrics = read_result(path, acfg, qcfg.name, "analysis.json") or analyze(path, qcfg, acfg)
+    return {**damage, **metrics}
+
+
+def outliers_job(run_dir: str) -> dict[str, Any]:
+    with locked(Path(run_dir) / "ptq"):
+        return fp_outliers(Path(run_dir))

@@ -1,0 +1,138 @@
+"""StudySpec: the whole study as data, with presets and TOML/dotted overrides.
+
+A preset is a plain function returning a StudySpec. `smoke` runs the whole pipeline in a minute (CI);
+`cpu` (the default) is the study this README reports, sized for a 2-core CPU; `gpu` is one GPU at
+~50M–125M; `paper` is the paper's grid (50M…1.5B, 8 learning rates, 20 tokens per parameter).
+
+LR grids are log-spaced around each optimizer's default learning rate (the paper's values, paper.md §3)
+unless given explicitly; an optimum at a grid edge is flagged and the grid extended once in that
+direction. `sweeps` are the paper's sequential one-dimensional sweeps of other hyperparameters at the
+smallest size (e.g. `{"muon": {"optim.momentum": (0.9, 0.95, 0.98)}}`); the best value of each
+hyperparameter is kept for the next one and for every size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from optquant.config import _parse, _set
+from optquant.errors import OptquantError
+from optquant.optim import OPTIMIZERS
+
+ALL_OPTIMIZERS = ("adamw", "muon", "psgd", "scion", "shampoo", "soap")
+PAPER_PTQ_SCHEMES = ("w4a4-rtn", "w4a4-gptq", "w4a4-rtn-had", "w4a4-gptq-had")
+
+
+@dataclass(frozen=True)
+class StudySpec:
+    name: str = "cpu"
+    sizes: tuple[str, ...] = ("nano", "micro", "tiny")  # model presets, smallest first
+    optimizers: tuple[str, ...] = ALL_OPTIMIZERS
+    lr_points: int = 3  # points of each optimizer's log LR grid
+    lr_step: float = 3.0  # ratio between neighbouring grid points
+    lrs: dict[str, tuple[float, ...]] = field(default_factory=dict)  # explicit grids per optimizer
+    sweeps: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)
+    run: tuple[str, ...] = ()  # dotted overrides for every run (data, train budget, vocab, ...)
+    ptq_schemes: tuple[str, ...] = PAPER_PTQ_SCHEMES
+    qat_bits: tuple[int, ...] = (4,)  # QuEST W_bA_b runs at each optimizer's best LR; () = no QAT
+    seeds: tuple[int, ...] = (0,)
+    workers: int = 2  # local worker processes; threads are split evenly between them
+    executor: Literal["local", "slurm", "submitit-local"] = "local"
+
+
+def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
+    """Explicit grid, or `lr_points` values log-spaced by `lr_step` around the optimizer's default lr."""
+    if optimizer in spec.lrs:
+        return tuple(spec.lrs[optimizer])
+    center = OPTIMIZERS[optimizer]().lr
+    k = spec.lr_points
+    return tuple(_round(center * spec.lr_step ** (i - (k - 1) / 2)) for i in range(k))
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def extend(grid: tuple[float, ...], best: float, step: float) -> float | None:
+    """The next LR beyond the grid edge where the optimum sits, or None if it is inside."""
+    lo, hi = min(grid), max(grid)
+    if len(grid) < 2 or lo < best < hi:
+        return None
+    ratio = step if len(grid) < 2 else math.exp(abs(math.log(hi / lo)) / (len(grid) - 1))
+    return _round(best * ratio if best == hi else best / ratio)
+
+
+_CPU_RUN = ("model.vocab_size=2048", "train.batch_size=16", "train.precision=auto", "train.eval_batches=8")
+
+
+def smoke() -> StudySpec:
+    return StudySpec(
+        name="smoke", sizes=("pico", "nano"), lr_points=1,
+        run=("model.vocab_size=512", "model.seq_len=32", "train.batch_size=8", "train.steps=30",
+             "train.eval_every=10", "train.eval_batches=2", "train.precision=fp32"),
+        ptq_schemes=("w4a4-rtn", "w4a4-gptq", "w4a4-rtn-had", "w4a4-gptq-had"),
+    )
+
+
+def cpu() -> StudySpec:
+    return StudySpec(name="cpu", run=_CPU_RUN + ("train.tokens_per_param=20", "train.eval_every=100"))
+
+
+def gpu() -> StudySpec:
+    return StudySpec(name="gpu", sizes=("50m", "125m"), lr_points=5, lr_step=2.0,
+                     run=("model.vocab_size=32000", "train.batch_size=256", "train.grad_accum=4"))
+
+
+def paper() -> StudySpec:
+    return StudySpec(name="paper", sizes=("50m", "125m", "350m", "500m", "760m", "1.5b"), lr_points=8,
+                     lr_step=2.0, run=("model.vocab_size=32000",), executor="slurm", workers=1)
+
+
+PRESETS = {"smoke": smoke, "cpu": cpu, "gpu": gpu, "paper": paper}
+
+
+def study_preset(name: str) -> StudySpec:
+    if name not in PRESETS:
+        raise OptquantError(f"unknown study preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]()
+
+
+def apply_study_overrides(spec: StudySpec, overrides: list[str]) -> StudySpec:
+    """`sizes=nano,micro`, `optimizers=adamw,muon`, `lrs.muon=0.01,0.02`, `run=train.steps=50`
+    (appends a run override), `sweeps.muon.optim.momentum=0.9,0.95`."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise OptquantError(f"--set {item}: expected key=value, e.g. sizes=nano,micro")
+        if key == "run":
+            spec = replace(spec, run=spec.run + (value,))
+        elif key.startswith("lrs."):
+            opt = _known_optimizer(key[4:], item)
+            spec = replace(spec, lrs={**spec.lrs, opt: _parse(value, tuple[float, ...], key)})
+        elif key.startswith("sweeps."):
+            opt, _, param = key[7:].partition(".")
+            _known_optimizer(opt, item)
+            values = tuple(v.strip() for v in value.split(",") if v.strip())
+            spec = replace(spec, sweeps={**spec.sweeps, opt: {**spec.sweeps.get(opt, {}), param: values}})
+        else:
+            spec = _set(spec, [key], value, key)
+    for opt in spec.optimizers:
+        _known_optimizer(opt, "optimizers")
+    return spec
+
+
+def _known_optimizer(name: str, where: str) -> str:
+    if name not in OPTIMIZERS:
+        raise OptquantError(f"{where}: unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
+    return name
+
+
+def estimate_jobs(spec: StudySpec) -> int:
+    """Jobs the study will run (for the progress display; grid extensions add a few)."""
+    grid = sum(len(lr_grid(spec, o)) for o in spec.optimizers)
+    fp = grid * len(spec.sizes) * len(spec.seeds)
+    sweeps = sum(len(v) for opt in spec.sweeps.values() for v in opt.values())
+    cl = len(spec.optimizers) * len(spec.sizes) * len(spec.seeds)
+    return sweeps + 2 * fp + cl * (1 + len(spec.ptq_schemes) + len(spec.qat_bits))
