@@ -117,6 +117,9 @@ def _study(args: argparse.Namespace) -> int:
     def on_event(event: dict) -> None:
         if event["event"] == "stage":
             bar.set_description(event["stage"])
+            if bar.n + event["jobs"] > bar.total:  # grid extensions add jobs the estimate did not know
+                bar.total = bar.n + event["jobs"]
+                bar.refresh()
             return
         bar.update(1)
         result = event["result"]
@@ -172,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train one model (FP, or QAT with --set qat.method=quest)",
                        epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", help="size preset: nano, micro, tiny (default), small, 50m ... 1.5b")
+    p.add_argument("--preset", help="size preset: femto, pico, nano, micro, tiny (default), small, 50m, 125m, 350m, 500m, 760m, 1.5b")
     p.add_argument("--config", type=Path, help="TOML file of settings (tables = config sections)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a setting, e.g. --set optim.name=shampoo (repeatable)")

@@ -59,6 +59,7 @@ class RunConfig:
 # Run presets: a model size and the batch settings that suit it. The budget follows from
 # train.tokens_per_param unless train.steps is set.
 RUN_PRESETS: dict[str, dict[str, Any]] = {
+    "femto": {"train.batch_size": 16, "train.eval_every": 25},
     "pico": {"train.batch_size": 16, "train.eval_every": 25},
     "nano": {"train.batch_size": 16, "train.eval_every": 25},
     "micro": {"train.batch_size": 16, "train.eval_every": 50},

@@ -54,8 +54,8 @@ class Study:
 
 
 def run_config(spec: StudySpec, size: str, opt: str, lr: float, seed: int, extra: tuple = ()) -> RunConfig:
-    cfg = apply_overrides(run_preset(size), [*spec.run, f"optim.name={opt}", f"optim.lr={lr}",
-                                             f"seed={seed}", *extra])
+    cfg = apply_overrides(run_preset(size), [*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()),
+                                             f"optim.lr={lr}", f"seed={seed}", *extra])
     return replace(cfg, name=f"{spec.name}-{size}")
 
 

@@ -118,7 +118,7 @@ def _col(value: str, method: str) -> str:
     return {"r": method, "ci_low": f"{method}_lo", "ci_high": f"{method}_hi"}[value]
 
 
-def fits(df: pd.DataFrame) -> dict[str, Any]:
+def fits(df: pd.DataFrame, interval: str = "bootstrap") -> dict[str, Any]:
     fp = df[(df.kind == "fp") & df.best_lr & (df.metric == "final_val_loss")]
     qat = df[(df.kind == "qat") & (df.metric == "final_val_loss")]
     points = [ScalingPoint(r.optimizer, int(r.n_params), float(r.value)) for r in fp.itertuples()
@@ -127,7 +127,7 @@ def fits(df: pd.DataFrame) -> dict[str, Any]:
                             bits=int(r.scheme.split("w")[1].split("a")[0])) for r in qat.itertuples()
                if math.isfinite(r.value)]
     out: dict[str, Any] = {"per_optimizer": {}, "joint": None, "errors": {}}
-    cfg = FitConfig(n_boot=100)
+    cfg = FitConfig(n_boot=100, interval=interval)
     for opt in sorted({p.optimizer for p in points}):
         try:
             out["per_optimizer"].update({k: v.to_dict() for k, v in
@@ -146,7 +146,7 @@ def write_results(study, table: dict, thresholds: dict, cl_paths: dict, qat: dic
     write_parquet(study.root / "results.parquet", df)
     corr = correlations(df)
     write_parquet(study.root / "correlations.parquet", corr)
-    atomic_write_json(study.root / "fits.json", fits(df))
+    atomic_write_json(study.root / "fits.json", fits(df, study.spec.fit_interval))
     atomic_write_json(study.root / "best.json", {f"{o}/{s}": {"best_lr": r["best"], "edge": r["edge"],
                                                              "loss": r["best_loss"]}
                                                  for (o, s), r in table.items()})

@@ -35,11 +35,13 @@ class StudySpec:
     lrs: dict[str, tuple[float, ...]] = field(default_factory=dict)  # explicit grids per optimizer
     sweeps: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)
     run: tuple[str, ...] = ()  # dotted overrides for every run (data, train budget, vocab, ...)
+    per_optimizer: dict[str, tuple[str, ...]] = field(default_factory=dict)  # overrides for one optimizer
     ptq_schemes: tuple[str, ...] = PAPER_PTQ_SCHEMES
     qat_bits: tuple[int, ...] = (4,)  # QuEST W_bA_b runs at each optimizer's best LR; () = no QAT
     seeds: tuple[int, ...] = (0,)
     workers: int = 2  # local worker processes; threads are split evenly between them
     executor: Literal["local", "slurm", "submitit-local"] = "local"
+    fit_interval: Literal["bootstrap", "loo", "none"] = "bootstrap"  # scaling-fit uncertainty
 
 
 def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
@@ -64,20 +66,31 @@ def extend(grid: tuple[float, ...], best: float, step: float) -> float | None:
     return _round(best * ratio if best == hi else best / ratio)
 
 
-_CPU_RUN = ("model.vocab_size=2048", "train.batch_size=16", "train.precision=auto", "train.eval_batches=8")
+def _caps(cap: int) -> dict[str, tuple[str, ...]]:
+    """Preconditioner size caps scaled to the model, keeping the paper's regime: the vocabulary
+    dimension is above the cap (diagonal/unpreconditioned/blocked) and every hidden dimension below it
+    (the paper: 12288 with vocab 32000 and hidden widths up to 8192)."""
+    return {"psgd": (f"optim.max_size_triangular={cap}",), "soap": (f"optim.max_precondition_dim={cap}",),
+            "shampoo": (f"optim.max_preconditioner_dim={cap}",)}
 
 
 def smoke() -> StudySpec:
     return StudySpec(
-        name="smoke", sizes=("pico", "nano"), lr_points=1,
+        name="smoke", sizes=("femto", "pico"), lr_points=1, per_optimizer=_caps(256),
         run=("model.vocab_size=512", "model.seq_len=32", "train.batch_size=8", "train.steps=30",
              "train.eval_every=10", "train.eval_batches=2", "train.precision=fp32"),
-        ptq_schemes=("w4a4-rtn", "w4a4-gptq", "w4a4-rtn-had", "w4a4-gptq-had"),
+        ptq_schemes=PAPER_PTQ_SCHEMES, fit_interval="none",
     )
 
 
 def cpu() -> StudySpec:
-    return StudySpec(name="cpu", run=_CPU_RUN + ("train.tokens_per_param=20", "train.eval_every=100"))
+    """The default: three sizes (12k, 55k, 99k non-embedding parameters), 20 tokens per non-embedding
+    parameter (Kaplan's N; with a 1024 vocabulary the embedding would otherwise set the budget)."""
+    return StudySpec(
+        name="cpu", sizes=("femto", "pico", "nano"), per_optimizer=_caps(512),
+        run=("model.vocab_size=1024", "train.batch_size=16", "train.tokens_per_param=20",
+             "train.budget_params=non_embedding", "train.eval_every=50", "train.eval_batches=8"),
+    )
 
 
 def gpu() -> StudySpec:

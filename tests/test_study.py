@@ -1,0 +1,109 @@
+"""Study tests: the whole pipeline at smoke scale, its resumability, and the executors.
+
+The kill test runs the study CLI in a subprocess, SIGKILLs its process group once a few runs are
+done (mid-stage, with workers busy), reruns it, and compares results.parquet with an uninterrupted
+study: every deterministic metric must be equal (timings are excluded: they are measurements).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from optquant.study.executor import Job, execute
+from optquant.study.plan import run_study
+from optquant.study.results import TIMING
+from optquant.study.spec import StudySpec, apply_study_overrides, extend, lr_grid, study_preset
+
+
+def small_spec(corpus, **kw) -> StudySpec:
+    spec = study_preset("smoke")
+    spec = apply_study_overrides(spec, [f"run=data.source={corpus}", "run=model.vocab_size=320",
+                                        "optimizers=adamw,muon", "ptq_schemes=w4a4-rtn,w4a4-gptq-had",
+                                        "lrs.adamw=0.001,0.003"])
+    return apply_study_overrides(spec, [f"{k}={v}" for k, v in kw.items()])
+
+
+def test_lr_grid_and_edge_extension():
+    spec = StudySpec(lr_points=3, lr_step=3.0)
+    assert lr_grid(spec, "adamw") == (1e-3, 3e-3, 9e-3)
+    assert extend((1e-3, 3e-3, 9e-3), 9e-3, 3.0) == pytest.approx(2.7e-2)
+    assert extend((1e-3, 3e-3, 9e-3), 1e-3, 3.0) == pytest.approx(3.333e-4)
+    assert extend((1e-3, 3e-3, 9e-3), 3e-3, 3.0) is None
+    spec = apply_study_overrides(spec, ["lrs.muon=0.01,0.02", "sizes=nano", "sweeps.muon.optim.momentum=0.9,0.95"])
+    assert lr_grid(spec, "muon") == (0.01, 0.02) and spec.sizes == ("nano",)
+    assert spec.sweeps == {"muon": {"optim.momentum": ("0.9", "0.95")}}
+
+
+def test_bad_study_overrides():
+    from optquant.errors import OptquantError
+
+    with pytest.raises(OptquantError, match="unknown optimizer"):
+        apply_study_overrides(StudySpec(), ["optimizers=adamw,sgd"])
+    with pytest.raises(OptquantError, match="unknown field"):
+        apply_study_overrides(StudySpec(), ["sizez=nano"])
+
+
+def test_study_end_to_end_with_sweep(corpus, tmp_path):
+    spec = small_spec(corpus, workers=1)
+    spec = apply_study_overrides(spec, ["sweeps.muon.optim.momentum=0.9,0.95"])
+    report = run_study(spec, tmp_path / "study")
+    df = pd.read_parquet(tmp_path / "study" / "results.parquet")
+    assert set(df.kind) == {"fp", "cl", "qat"}
+    cl = df[(df.kind == "cl") & (df.metric == "delta_val_loss")]
+    assert len(cl) == 2 * 2 * 2  # optimizers × sizes × schemes
+    fp_best = df[(df.kind == "fp") & df.best_lr & (df.metric == "final_val_loss")]
+    assert len(fp_best) == 4 and set(fp_best.optimizer) == {"adamw", "muon"}
+    # each CL model's FP val loss sits at (or just below) the size's common loss
+    thresholds = df[(df.kind == "cl") & (df.metric == "cl_threshold")]
+    assert len(thresholds) == 4
+    qat = df[(df.kind == "qat") & (df.metric == "qat_rel_degradation_pct")]
+    assert len(qat) == 4 and qat.value.notna().all()
+    assert (tmp_path / "study" / "fits.json").exists() and report.exists()
+    # the sweep fixed muon's momentum for every size: its runs carry the chosen value
+    runs = [p for p in (tmp_path / "study" / "runs").iterdir() if "-muon-" in p.name]
+    assert any('"momentum": 0.9' in (p / "config.json").read_text() for p in runs)
+
+
+def _deterministic(df: pd.DataFrame) -> pd.DataFrame:
+    return df[~df.metric.isin(TIMING)].reset_index(drop=True)
+
+
+def _study_cmd(corpus, out: Path) -> list[str]:
+    return [sys.executable, "-m", "optquant.cli", "study", "--preset", "smoke", "--out", str(out), "--quiet",
+            "--set", f"run=data.source={corpus}", "--set", "run=model.vocab_size=320", "--set", "sizes=femto",
+            "--set", "optimizers=adamw,muon", "--set", "ptq_schemes=w4a4-gptq-had",
+            "--set", "lrs.adamw=0.001,0.003", "--set", "workers=2"]
+
+
+def test_killed_study_resumes_to_the_same_results(corpus, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    straight = tmp_path / "straight"
+    subprocess.run(_study_cmd(corpus, straight), check=True, env=env, timeout=600)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_study_cmd(corpus, killed), env=env, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list(killed.glob("runs/*/summary.json"))) < 3:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "results.parquet").exists()
+    subprocess.run(_study_cmd(corpus, killed), check=True, env=env, timeout=600)
+    a = _deterministic(pd.read_parquet(straight / "results.parquet"))
+    b = _deterministic(pd.read_parquet(killed / "results.parquet"))
+    pd.testing.assert_frame_equal(a, b)
+
+
+def test_submitit_local_executor_runs_train_jobs(nano_cfg, tmp_path):
+    from optquant.config import apply_overrides, to_dict
+
+    jobs = [Job("train", f"r{i}", {"config": to_dict(apply_overrides(nano_cfg, [f"seed={i}", "train.steps=10"])),
+                                   "run_dir": str(tmp_path / f"r{i}")}) for i in range(2)]
+    results = execute(jobs, "submitit-local", 1, tmp_path / "submitit")
+    assert {k: v["status"] for k, v in results.items()} == {"r0": "done", "r1": "done"}
+    assert results["r0"]["final_val_loss"] != results["r1"]["final_val_loss"]
