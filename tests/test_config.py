@@ -53,7 +53,7 @@ def test_toml_then_overrides(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('preset = "micro"\nseed = 3\n[optim]\nname = "muon"\nlr = 0.01\n[train]\nsteps = 7\n')
     cfg = resolve(None, path, ["optim.lr=0.02"])
-    assert cfg.model.d_model == 128 and cfg.seed == 3 and cfg.train.steps == 7
+    assert cfg.model.d_model == 64 and cfg.seed == 3 and cfg.train.steps == 7
     assert cfg.optim.name == "muon" and cfg.optim.lr == 0.02
     (tmp_path / "bad.toml").write_text("[optim\n")
     with pytest.raises(OptquantError, match="invalid TOML"):

@@ -83,7 +83,7 @@ def test_post_norm_block_output_is_normalised_before_residual():
     torch.manual_seed(0)
     model = LM(model_config("nano", seq_len=8))
     sub = model.blocks[0].mlp
-    x = 10 * torch.randn(2, 8, 64)  # large enough that RMSNorm's eps is negligible
+    x = 10 * torch.randn(2, 8, model.cfg.d_model)  # large enough that RMSNorm's eps is negligible
     delta = sub(x) - x
     rms = delta.pow(2).mean(-1).sqrt()
     assert torch.allclose(rms, torch.ones_like(rms), atol=1e-3)  # RMSNorm with unit gain

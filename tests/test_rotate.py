@@ -29,7 +29,7 @@ from optquant.quant.rotate import (
     untie_head_,
 )
 
-SMALL = dict(vocab_size=128, seq_len=16, init_std=0.1)
+SMALL = dict(vocab_size=128, seq_len=16, init_std=0.1, d_model=64)  # width 64: the tests below use it
 
 
 def tiny_lm(preset: str = "nano", seed: int = 0, **kw) -> LM:
@@ -102,12 +102,12 @@ def test_random_rotation_is_seeded():
 
 CASES = {
     "olmo2-nano-tied": dict(arch="olmo2"),
-    "olmo2-micro-random": dict(arch="olmo2", preset="micro", kind="random"),
+    "olmo2-d128-random": dict(arch="olmo2", d_model=128, kind="random"),
     "olmo2-gqa-untied": dict(arch="olmo2", n_head=4, n_kv_head=2, tie_embeddings=False),
     "olmo2-d96-blocks": dict(arch="olmo2", d_model=96, n_head=2, n_kv_head=1),
     "llama-nano-tied": dict(arch="llama"),
     "llama-nano-untied": dict(arch="llama", tie_embeddings=False),
-    "llama-micro-gqa": dict(arch="llama", preset="micro", n_head=4, n_kv_head=2),  # MLP 384 = 3·128
+    "llama-d128-gqa": dict(arch="llama", d_model=128, n_head=4, n_kv_head=2),  # MLP 384 = 3·128
     "llama-random-d96": dict(arch="llama", d_model=96, n_head=2, n_kv_head=2, kind="random"),
 }
 

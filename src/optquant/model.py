@@ -67,9 +67,9 @@ class ModelConfig:
 # (D and the MLP hidden width) admits the 128-block Hadamard of QuEST. Counts are in the README.
 PRESETS: dict[str, dict] = {
     "femto": dict(n_layer=1, d_model=32, n_head=2, n_kv_head=2, seq_len=64),
-    "pico": dict(n_layer=2, d_model=48, n_head=2, n_kv_head=2, seq_len=64),
-    "nano": dict(n_layer=2, d_model=64, n_head=2, n_kv_head=2, seq_len=64),
-    "micro": dict(n_layer=2, d_model=128, n_head=2, n_kv_head=2, seq_len=128),
+    "pico": dict(n_layer=1, d_model=48, n_head=2, n_kv_head=2, seq_len=64),
+    "nano": dict(n_layer=2, d_model=48, n_head=2, n_kv_head=2, seq_len=64),
+    "micro": dict(n_layer=2, d_model=64, n_head=2, n_kv_head=2, seq_len=64),
     "tiny": dict(n_layer=4, d_model=128, n_head=2, n_kv_head=2, seq_len=128),
     "small": dict(n_layer=4, d_model=256, n_head=4, n_kv_head=4, seq_len=128),
     "50m": dict(n_layer=10, d_model=512, n_head=8, n_kv_head=8, seq_len=1024, vocab_size=32000),

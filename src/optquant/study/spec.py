@@ -76,7 +76,7 @@ def _caps(cap: int) -> dict[str, tuple[str, ...]]:
 
 def smoke() -> StudySpec:
     return StudySpec(
-        name="smoke", sizes=("femto", "pico"), lr_points=1, per_optimizer=_caps(256),
+        name="smoke", sizes=("femto", "nano"), lr_points=1, per_optimizer=_caps(256),
         run=("model.vocab_size=512", "model.seq_len=32", "train.batch_size=8", "train.steps=30",
              "train.eval_every=10", "train.eval_batches=2", "train.precision=fp32"),
         ptq_schemes=PAPER_PTQ_SCHEMES, fit_interval="none",
@@ -84,7 +84,7 @@ def smoke() -> StudySpec:
 
 
 def cpu() -> StudySpec:
-    """The default: three sizes (12k, 55k, 99k non-embedding parameters), 20 tokens per non-embedding
+    """The default: three sizes (12k, 28k, 55k non-embedding parameters), 20 tokens per non-embedding
     parameter (Kaplan's N; with a 1024 vocabulary the embedding would otherwise set the budget)."""
     return StudySpec(
         name="cpu", sizes=("femto", "pico", "nano"), per_optimizer=_caps(512),
