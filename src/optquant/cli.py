@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -43,13 +44,15 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = resolve(args.preset, args.config, args.set or [])
     path = run_dir(args.out, cfg)
-    if args.force and path.exists():
-        shutil.rmtree(path)
-    if (path / "summary.json").exists():
-        print(f"{path}: already done (use --force to retrain)")
-        print((path / "summary.json").read_text())
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 talks and deletes
+    if args.force and path.exists() and main_rank:
+        shutil.rmtree(path)  # the other ranks wait for this in train()'s process-group barrier
+    if (path / "summary.json").exists() and not args.force:
+        if main_rank:
+            print(f"{path}: already done (use --force to retrain)")
+            print((path / "summary.json").read_text())
         return 0
-    bar = tqdm(total=None, desc=path.name, unit="step", dynamic_ncols=True, disable=args.quiet)
+    bar = tqdm(total=None, desc=path.name, unit="step", dynamic_ncols=True, disable=args.quiet or not main_rank)
 
     def on_step(info: dict) -> None:
         bar.total = info["total"]
@@ -58,8 +61,9 @@ def _train(args: argparse.Namespace) -> int:
 
     summary = train(cfg, path, on_step=on_step)
     bar.close()
-    print(json.dumps(summary, indent=2))
-    print(f"run directory: {path}")
+    if main_rank:
+        print(json.dumps(summary, indent=2))
+        print(f"run directory: {path}")
     return 0 if summary["status"] == "done" else 3
 
 
@@ -175,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train one model (FP, or QAT with --set qat.method=quest)",
                        epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", help="size preset: femto, pico, nano, micro, tiny (default), small, 50m, 125m, 350m, 500m, 760m, 1.5b")
+    p.add_argument("--preset", help="size preset: femto, pico, nano, micro, tiny (default), small, "
+                   "50m, 125m, 350m, 500m, 760m, 1.5b")
     p.add_argument("--config", type=Path, help="TOML file of settings (tables = config sections)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a setting, e.g. --set optim.name=shampoo (repeatable)")

@@ -119,9 +119,10 @@ def build_model(cfg: RunConfig) -> nn.Module:
 def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Train one run in `run_dir`, resuming from its checkpoint if there is one; returns the summary."""
     run_dir = Path(run_dir)
+    ctx = dist.setup()  # first: its barrier orders this check after rank 0's `--force` removal
     if (done := read_summary(run_dir)) is not None:
+        dist.teardown(ctx)
         return done
-    ctx = dist.setup()
     device = ctx.device
     if ctx.rank == 0:
         write_config(run_dir, cfg)
@@ -135,13 +136,17 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     micro = tc.batch_size // (tc.grad_accum * ctx.world_size)
     data = load_tokens(cfg.data, cfg.model.vocab_size)
     check_enough(data.train, micro, cfg.model.seq_len, "train")
-    check_enough(data.val, micro, cfg.model.seq_len, "val")
+    val_batch = tc.batch_size // tc.grad_accum  # one process's micro-batch, split over the ranks below
+    check_enough(data.val, val_batch, cfg.model.seq_len, "val")
     model = build_model(cfg).to(device)
     optimizers = build_optimizers(model, cfg.optim)
     ddp_model = ctx.wrap(model)
     steps = total_steps(cfg, model)
     bf16 = use_bf16(tc.precision, device)
-    val = fixed_batches(data.val, tc.eval_batches, micro, cfg.model.seq_len, seed=cfg.seed + 12345)
+    # The validation set must not depend on how many processes train: draw it as one process would and
+    # give each rank an equal share (ctx.mean of equal-size shares is the mean over the whole set).
+    val = [(x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]) for x, y in
+           fixed_batches(data.val, tc.eval_batches, val_batch, cfg.model.seq_len, seed=cfg.seed + 12345)]
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + ctx.rank)
     state = {"step": 0, "best_val": math.inf, "cl_step": None, "train_time": 0.0, "timed_steps": 0}
     ckpt = run_dir / "checkpoint.safetensors"
@@ -149,7 +154,11 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         saved = load_checkpoint(ckpt, model)
         for opt, opt_state in zip(optimizers, saved["optimizers"], strict=True):
             opt.load_state_dict(opt_state)
-        set_rng_state(saved["rng"][ctx.rank] if isinstance(saved["rng"], list) else saved["rng"], gen)
+        rngs = saved["rng"] if isinstance(saved["rng"], list) else [saved["rng"]]
+        if len(rngs) != ctx.world_size:
+            raise OptquantError(f"{ckpt} was written by {len(rngs)} process(es); resume it with as many "
+                                f"(torchrun --nproc_per_node={len(rngs)})")
+        set_rng_state(rngs[ctx.rank], gen)
         state = saved["loop"]
         log.info("resumed %s at step %d", run_dir.name, state["step"])
     if ctx.rank == 0:
@@ -186,7 +195,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
             on_step({"step": step + 1, "total": steps, "loss": loss_sum, "lr_mult": mult,
                      "tokens_per_s": info["tokens_per_step"] * state["timed_steps"] / state["train_time"]})
         if state["step"] % tc.eval_every == 0 or state["step"] == steps:
-            last_val = evaluate(model, val, device, bf16)
+            last_val = ctx.mean(evaluate(model, val, device, bf16))  # the same on every rank: same breaks
             if not math.isfinite(last_val):
                 status, diverged_step = "diverged", state["step"]
                 break
@@ -196,13 +205,14 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
             crossed = threshold is not None and state["cl_step"] is None and last_val <= threshold
             if crossed:
                 state["cl_step"] = state["step"]
+            rngs = ctx.gather(rng_state(gen))  # every rank's data stream, for an exact resume
             if ctx.rank == 0:
                 _eval_record(run_dir, cfg, state, loss_sum, mult, last_val)
                 if crossed:
                     save_weights(run_dir / "cl_model.safetensors", model, {
                         "step": str(state["step"]), "val_loss": repr(last_val), "threshold": repr(threshold)})
                 save_checkpoint(ckpt, model, {"optimizers": [o.state_dict() for o in optimizers],
-                                              "rng": rng_state(gen), "loop": state})
+                                              "rng": rngs, "loop": state})
             if tc.stop_at_cl and state["cl_step"] is not None:
                 break
     summary = {
