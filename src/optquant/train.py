@@ -31,16 +31,10 @@ from optquant.config import RunConfig, TrainConfig
 from optquant.data import check_enough, fixed_batches, get_batch, load_tokens
 from optquant.errors import OptquantError
 from optquant.model import LM, count_params, lm_loss
-from optquant.optim import build_optimizers
+from optquant.optim import build_optimizers, state_bytes
 from optquant.runs import read_summary, write_config
 
 log = logging.getLogger(__name__)
-
-
-def state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
-    """Bytes held in optimizer state tensors (momenta, preconditioners, ...)."""
-    return sum(t.numel() * t.element_size() for opt in optimizers for st in opt.state.values()
-               for t in st.values() if isinstance(t, torch.Tensor))
 
 
 def lr_multiplier(step: int, total: int, cfg: TrainConfig) -> float:
@@ -222,6 +216,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         "cl_threshold": tc.cl_threshold, "cl_step": state["cl_step"],
         "optimizer": cfg.optim.name, "lr": cfg.optim.lr, "qat": cfg.qat.method if cfg.qat else None,
         "optimizer_state_bytes": state_bytes(optimizers),
+        "eigh_retries": sum(getattr(o, "eigh_retries", 0) for o in optimizers),  # Shampoo's fp64 retries
         "mean_step_seconds": state["train_time"] / max(1, state["timed_steps"]),
         **info,
     }

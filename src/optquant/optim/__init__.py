@@ -1,0 +1,83 @@
+"""The optimizer registry: name -> frozen config class whose `build(groups)` returns torch optimizers.
+
+Every config has `name` (its registry key) and `lr` (the peak learning rate the schedule scales), and
+its defaults are the paper's (paper.md §3; each file says where a default comes from). A new optimizer
+is one file, one dict line and a passing contract test (tests/test_optim.py).
+
+Every param group records its `base_lr`; the training loop sets `group["lr"] = group["base_lr"] *
+schedule(step)` for every group of every optimizer, so fixed-lr groups (Muon's AdamW, Scion's embedding
+and vector groups) follow the schedule too, as in the authors' code. State dicts hold only tensors,
+numbers, strings, bools, None, lists and dicts; after a JSON round trip (tuples become lists) they load
+back and resume bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from optquant.errors import OptquantError
+from optquant.optim.adamw import AdamWConfig
+from optquant.optim.groups import ParamGroups, split_params
+from optquant.optim.muon import MuonConfig
+from optquant.optim.psgd import PSGDConfig
+from optquant.optim.scion import ScionConfig
+from optquant.optim.shampoo import ShampooConfig
+from optquant.optim.soap import SOAPConfig
+
+OPTIMIZERS: dict[str, type] = {
+    "adamw": AdamWConfig,
+    "muon": MuonConfig,
+    "psgd": PSGDConfig,
+    "scion": ScionConfig,
+    "shampoo": ShampooConfig,
+    "soap": SOAPConfig,
+}
+
+# the union of the registry's config classes, for type hints
+OptimConfig = AdamWConfig | MuonConfig | PSGDConfig | ScionConfig | ShampooConfig | SOAPConfig
+
+
+def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Optimizer]:
+    """The optimizers for `model` under `cfg`; every param group also records its `base_lr`,
+    which the schedule multiplies."""
+    if getattr(cfg, "name", None) not in OPTIMIZERS or not isinstance(cfg, OPTIMIZERS[cfg.name]):
+        raise OptquantError(f"optim must be one of the configs of {', '.join(OPTIMIZERS)}, got {cfg!r}")
+    optimizers = cfg.build(split_params(model))
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group.setdefault("base_lr", group["lr"])
+    return optimizers
+
+
+def _tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes of optimizer state (moments, factors, preconditioners) over all optimizers."""
+    return sum(_tensor_bytes(state) for opt in optimizers for state in opt.state.values())
+
+
+__all__ = [
+    "OPTIMIZERS",
+    "AdamWConfig",
+    "MuonConfig",
+    "OptimConfig",
+    "PSGDConfig",
+    "ParamGroups",
+    "SOAPConfig",
+    "ScionConfig",
+    "ShampooConfig",
+    "build_optimizers",
+    "split_params",
+    "state_bytes",
+]

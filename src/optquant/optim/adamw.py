@@ -1,0 +1,36 @@
+"""AdamW: `torch.optim.AdamW(fused=True)`, one instance over all groups (the authors' code).
+
+Fused matches foreach to ~5e-8 relative and is ~4× faster on this CPU (dependencies.md §1.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from optquant.optim.groups import ParamGroups
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 3e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
+        params = [g for g in (groups.embeddings, groups.vectors, groups.matrices) if g]
+        return [
+            torch.optim.AdamW(
+                [{"params": p} for p in params],
+                lr=self.lr,
+                betas=(self.beta1, self.beta2),
+                eps=self.eps,
+                weight_decay=self.weight_decay,
+                fused=True,
+            )
+        ]

@@ -1,0 +1,114 @@
+"""PSGD Kron (Li 2015, arXiv 1512.04202; Kronecker-factored whitening, lixilinx/psgd_torch via kron_torch).
+
+`pytorch_optimizer.Kron`, measured faithful to kron_torch (dependencies.md §1.2), called as the authors
+did (paper.md §3): momentum (an EMA of the gradient), decoupled weight decay, max_size_triangular=12288,
+min_ndim_triangular=2, memory_save_mode=None, and the library's preconditioner-update schedule
+p(n) = clamp(exp(−0.001·(n − 500)), 0.03, 1) (every step for the first 500 steps).
+
+Randomness, and why this file wraps the class: the schedule itself is a deterministic counter, but each
+step draws `numpy.random.random()` (numpy's global RNG) to decide a factor re-balancing (probability
+0.01) and, on update steps, `torch.randn_like` (torch's global RNG) for the probe vector. Reading and
+advancing the global RNGs would make a run depend on whatever else draws from them (data order, dropout)
+and make exact resume depend on the loop saving both RNG states. `Kron.step` here instead seeds both
+from (seed, step) inside a fork of the RNG state and restores the global states afterwards: the same
+distributions, a stream that is a function of the step (so a restored state dict resumes exactly), and
+other code sees the global RNGs untouched. The param groups also hold a torch.dtype
+(`precondition_dtype`); the state dict stores it as its name so it stays JSON-able.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from pytorch_optimizer import Kron as _LibKron
+
+from optquant.optim.groups import ParamGroups
+
+_DTYPE_KEYS = ("mu_dtype", "precondition_dtype")
+
+
+def kron_step_seed(seed: int, step: int) -> int:
+    """The torch seed of one Kron step (numpy gets `[seed, step]`)."""
+    return (seed * 1_000_003 + step) % 2**63
+
+
+class Kron(_LibKron):
+    """`pytorch_optimizer.Kron` with a private RNG stream and a JSON-able state dict."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # outside the forked RNG: the closure's randomness is the caller's
+            with torch.enable_grad():
+                loss = closure()
+        first = self.param_groups[0]
+        seed, step = first.get("rng_seed", 0), first.get("step", 0)
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+        np_state = np.random.get_state()
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(kron_step_seed(seed, step))
+            np.random.seed([seed, step])
+            try:
+                super().step()
+            finally:
+                np.random.set_state(np_state)
+        return loss
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        for group in sd["param_groups"]:  # fresh dicts: the live groups keep their dtypes
+            for key in _DTYPE_KEYS:
+                if isinstance(group.get(key), torch.dtype):
+                    group[key] = str(group[key]).removeprefix("torch.")
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups = [dict(g) for g in state_dict["param_groups"]]
+        for group in groups:
+            for key in _DTYPE_KEYS:
+                if isinstance(group.get(key), str):
+                    group[key] = getattr(torch, group[key])
+        super().load_state_dict({**state_dict, "param_groups": groups})
+
+
+@dataclass(frozen=True)
+class PSGDConfig:
+    """Defaults: the authors' call; lr and momentum are their CLI defaults (1e-3, 0.9), = the library's."""
+
+    name: Literal["psgd"] = "psgd"
+    lr: float = 1e-3
+    momentum: float = 0.9
+    weight_decay: float = 0.0  # decoupled
+    max_size_triangular: int = 12288  # 8192 in the authors' June-2025 code
+    min_ndim_triangular: int = 2  # vectors get diagonal preconditioners
+    memory_save_mode: Literal["none", "one_diag", "smart_one_diag", "all_diag"] = "none"
+    update_prob: float | None = None  # None: the library's schedule above; a number: fixed probability
+    precondition_lr: float = 0.1
+    balance_prob: float = 0.01
+    momentum_into_precondition_update: bool = True
+    seed: int = 0  # of the optimizer's private RNG stream
+
+    def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
+        params = [
+            {"params": g, "precondition_lr": self.precondition_lr, "rng_seed": self.seed}
+            for g in (groups.embeddings + groups.vectors, groups.matrices)
+            if g
+        ]
+        return [
+            Kron(
+                params,
+                lr=self.lr,
+                momentum=self.momentum,
+                weight_decay=self.weight_decay,
+                weight_decouple=True,
+                pre_conditioner_update_probability=self.update_prob,
+                max_size_triangular=self.max_size_triangular,
+                min_ndim_triangular=self.min_ndim_triangular,
+                memory_save_mode=None if self.memory_save_mode == "none" else self.memory_save_mode,
+                momentum_into_precondition_update=self.momentum_into_precondition_update,
+                balance_prob=self.balance_prob,
+            )
+        ]
