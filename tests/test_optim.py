@@ -41,17 +41,9 @@ from optquant.optim.psgd import kron_step_seed
 VOCAB, T, B = 64, 16, 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def new_model(seed: int = 0) -> LM:
     torch.manual_seed(seed)
-    return LM(model_config("nano", vocab_size=VOCAB, seq_len=T))
+    return LM(model_config("micro", vocab_size=VOCAB, seq_len=T))
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

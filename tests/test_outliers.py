@@ -27,15 +27,6 @@ from optquant.model import LM, model_config
 from optquant.quant.ptq import linear_layers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core box they thrash."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _acts(seed=0, T=200, d=48):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, d, generator=g, dtype=torch.float64)

@@ -30,13 +30,6 @@ from optquant.quant.ptq import PTQConfig
 VOCAB, T = 64, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a shared 2-core box they thrash."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _stream(n: int = 4096) -> torch.Tensor:

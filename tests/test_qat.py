@@ -53,12 +53,8 @@ MAX_1960 = {2: (1.596, 0.3634), 4: (0.9957, 0.1188), 8: (0.5860, 0.03744), 16: (
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(old)
+def _seeded():
+    torch.manual_seed(0)  # conftest already runs every test on one thread
 
 
 def _slope(c: float, bits: int, h: float = 1e-4) -> float:
@@ -197,7 +193,7 @@ def test_half_hadamard_leaves_the_layer_unchanged(in_features):
 
 
 def _nano() -> LM:
-    return LM(model_config("nano", vocab_size=64, seq_len=32))
+    return LM(model_config("micro", vocab_size=64, seq_len=32))
 
 
 def test_prepare_keeps_weight_tying_and_optimizer_groups():
