@@ -184,7 +184,7 @@ def fig3_abc(d: StudyData, out: Path) -> Plot:
     title = "Fig. 3 — per-module relative error R = A + B + C"
     got = d.propagation_set()
     if got is None:
-        return missing("fig3", title, "no ptq/<run_id>/<scheme>/propagation.parquet for the CL models")
+        return missing("fig3", title, "no runs/<run_id>/ptq/cl/<scheme>/propagation.parquet for the CL models")
     size, scheme, frames = got
     fig, axes = grid(len(frames), h=2.8)
     n_mod = 0
@@ -202,7 +202,8 @@ def fig3_abc(d: StudyData, out: Path) -> Plot:
     axes[0].set_ylabel("relative error")
     axes[0].legend(fontsize=7, labels=["R", "A (propagated)", "B (local)", "|C| (interaction)"])
     caption = (
-        f"From ptq/<run_id>/{scheme}/propagation.parquet of the {len(frames)} CL models at size {size}: rows "
+        f"From runs/<run_id>/ptq/cl/{scheme}/propagation.parquet (per-token norm) of the "
+        f"{len(frames)} CL models at size {size}: rows "
         f"with kind ≠ linear in forward order ({n_mod} modules in all). |C| is drawn because C can be "
         "negative; a log axis hides zeros (A at the first module)."
     )
@@ -230,8 +231,9 @@ def fig4_gains(d: StudyData, out: Path) -> Plot:
     optimizer_legend(fig, d, list(lin))
     n = sum(len(df) for df in lin.values())
     caption = (
-        f"From ptq/<run_id>/{scheme}/propagation.parquet at size {size}: rows with kind=linear, columns G, "
-        f"G1, G2 ({n} layer rows over {len(lin)} optimizers). Dashed: 1. The paper finds G₁ ≈ 1, Muon "
+        f"From runs/<run_id>/ptq/cl/{scheme}/propagation.parquet at size {size}: rows with kind=linear, "
+        "columns G (per-token norm), "
+        f"G1, G2 (whole-tensor norm, the only one they exist in; {n} layer rows over {len(lin)} optimizers). Dashed: 1. The paper finds G₁ ≈ 1, Muon "
         "with the highest gain and AdamW/Shampoo the lowest."
     )
     return Plot("fig4", title, save(fig, out, "fig4_gains"), caption)

@@ -113,10 +113,12 @@ class StudyData:
 
     # ---------------------------------------------------------------- per-run files
     def propagation_path(self, run_id: str, scheme: str) -> Path:
-        return self.root / "ptq" / run_id / scheme / "propagation.parquet"
+        """Where `optquant analyze` wrote a CL model's ABC rows (an older flat layout is also read)."""
+        path = self.root / "runs" / run_id / "ptq" / "cl" / scheme / "propagation.parquet"
+        return path if path.is_file() else self.root / "ptq" / run_id / scheme / "propagation.parquet"
 
     def propagation(self, run_id: str, scheme: str) -> pd.DataFrame | None:
-        return _read_parquet(self.propagation_path(run_id, scheme))
+        return _one_norm(_read_parquet(self.propagation_path(run_id, scheme)))
 
     def propagation_set(self) -> tuple[str, str, dict[str, pd.DataFrame]] | None:
         """(size, scheme, {optimizer: propagation frame}) for the largest size whose CL models have ABC
@@ -208,6 +210,18 @@ def _read_json(path: Path) -> dict | None:
 
 def _read_parquet(path: Path) -> pd.DataFrame | None:
     return pd.read_parquet(path) if path.is_file() else None
+
+
+def _one_norm(df: pd.DataFrame | None) -> pd.DataFrame | None:
+    """metrics.propagation writes a per-token and a whole-tensor row per module: the figures show the
+    per-token terms (the default norm) with G1/G2 from the tensor rows, the only norm they exist in."""
+    if df is None or "norm" not in df.columns:
+        return df
+    keys = ["index", "name", "kind"]
+    token = df[df["norm"] == "token"].drop(columns=["G1", "G2", "G_lin", "norm"], errors="ignore")
+    tensor = df[df["norm"] == "tensor"][keys + [c for c in ("G1", "G2") if c in df.columns]]
+    out = token.merge(tensor, on=keys, how="left").rename(columns={"name": "module"})
+    return out.reset_index(drop=True)
 
 
 # ---------------------------------------------------------------- fits.json
