@@ -233,7 +233,8 @@ def fig4_gains(d: StudyData, out: Path) -> Plot:
     caption = (
         f"From runs/<run_id>/ptq/cl/{scheme}/propagation.parquet at size {size}: rows with kind=linear, "
         "columns G (per-token norm), "
-        f"G1, G2 (whole-tensor norm, the only one they exist in; {n} layer rows over {len(lin)} optimizers). Dashed: 1. The paper finds G₁ ≈ 1, Muon "
+        f"G1, G2 (whole-tensor norm, the only one they exist in; {n} layer rows over {len(lin)} optimizers). "
+        "Dashed: 1. The paper finds G₁ ≈ 1, Muon "
         "with the highest gain and AdamW/Shampoo the lowest."
     )
     return Plot("fig4", title, save(fig, out, "fig4_gains"), caption)

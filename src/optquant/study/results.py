@@ -106,8 +106,9 @@ def correlations(df: pd.DataFrame) -> pd.DataFrame:
             tidy["size"], tidy["scheme"] = group, scheme
             out.append(tidy)
     tidy = pd.concat(out, ignore_index=True)
-    wide = tidy.pivot_table(index=["size", "scheme", "metric", "target", "n"], columns="method",
-                            values=["r", "ci_low", "ci_high"], dropna=False).reset_index()
+    # unstack (not pivot_table): only the (size, scheme, metric, target) combinations that exist
+    wide = tidy.set_index(["size", "scheme", "metric", "target", "n", "method"])[["r", "ci_low", "ci_high"]]
+    wide = wide.unstack("method").reset_index()
     wide.columns = [_col(a, b) for a, b in wide.columns]
     return wide
 
