@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 from optquant.errors import OptquantError
@@ -217,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # torch notes once per process that RMSNorm under bf16 autocast (bf16 input, fp32 gain) is not fused;
+    # it is expected and harmless, and would be the first line every user sees
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -38,7 +38,11 @@ def run_job(job: Job) -> dict[str, Any]:
 
 
 def _init_worker(threads: int) -> None:
+    import warnings
+
     import torch
+
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
 
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
