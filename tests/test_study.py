@@ -110,3 +110,14 @@ def test_submitit_local_executor_runs_train_jobs(nano_cfg, tmp_path):
     results = execute(jobs, "submitit-local", 1, tmp_path / "submitit")
     assert {k: v["status"] for k, v in results.items()} == {"r0": "done", "r1": "done"}
     assert results["r0"]["final_val_loss"] != results["r1"]["final_val_loss"]
+
+
+def test_fit_command_rebuilds_fits_from_results(corpus, tmp_path, capsys):
+    from optquant.cli import main
+
+    run_study(small_spec(corpus, workers=1, qat_bits="4"), tmp_path / "study")
+    (tmp_path / "study" / "fits.json").unlink()
+    assert main(["fit", str(tmp_path / "study"), "--interval", "none"]) == 0
+    assert (tmp_path / "study" / "fits.json").exists()
+    assert "written:" in capsys.readouterr().out
+    assert main(["fit", str(tmp_path / "nothing")]) == 2

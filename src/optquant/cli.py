@@ -143,6 +143,19 @@ def _study(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit(args: argparse.Namespace) -> int:
+    from optquant.study.results import refit
+
+    fits = refit(args.study_dir, args.interval)
+    for opt, fit in fits["per_optimizer"].items():
+        print(f"{opt:8s} rho_4bit={fit['rho'].get('4bit', float('nan')):.3f}  E={fit['E']:.3f}  "
+              f"alpha={fit['alpha']:.3f}  A={fit['A']:.4g}")
+    for what, error in fits["errors"].items():
+        print(f"{what}: not fitted ({error})")
+    print(f"written: {args.study_dir}/fits.json and correlations.parquet")
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from optquant.report import render_report, report_markdown
 
@@ -210,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="study directory (default: studies/<preset>)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(func=_study)
+    p = sub.add_parser("fit", help="(re)fit a study's scaling laws and correlations from results.parquet")
+    p.add_argument("study_dir", type=Path)
+    p.add_argument("--interval", choices=["bootstrap", "loo", "none"], default="bootstrap",
+                   help="uncertainty of the fitted parameters (default: bootstrap)")
+    p.set_defaults(func=_fit)
     p = sub.add_parser("report", help="(re)build a study's HTML report from its files")
     p.add_argument("study_dir", type=Path)
     p.set_defaults(func=_report)

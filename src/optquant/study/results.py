@@ -155,6 +155,14 @@ def write_results(study, table: dict, thresholds: dict, cl_paths: dict, qat: dic
     return df
 
 
-def results_table(study_dir: Path) -> pd.DataFrame:
-    return pd.read_parquet(Path(study_dir) / "results.parquet")
+def refit(study_dir: Path, interval: str = "bootstrap") -> dict[str, Any]:
+    """Recompute correlations.parquet and fits.json from a study's results.parquet (no training)."""
+    path = Path(study_dir) / "results.parquet"
+    if not path.exists():
+        raise OptquantError(f"{study_dir}: no results.parquet (run optquant study first)")
+    df = pd.read_parquet(path)
+    write_parquet(Path(study_dir) / "correlations.parquet", correlations(df))
+    out = fits(df, interval)
+    atomic_write_json(Path(study_dir) / "fits.json", out)
+    return out
 
