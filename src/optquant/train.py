@@ -257,6 +257,8 @@ def _add_qat_degradation(summary: dict, cfg: RunConfig, run_dir: Path) -> None:
 
     twin = read_summary(twin_dir(run_dir.parent, replace(cfg, qat=None)))
     if twin and twin.get("final_val_loss"):
-        fp, q = twin["final_val_loss"], summary["final_val_loss"]
-        summary["fp_twin_val_loss"] = fp
-        summary["qat_rel_degradation_pct"] = 100 * (q - fp) / fp
+        from optquant.quant.qat import relative_degradation
+
+        summary["fp_twin_val_loss"] = twin["final_val_loss"]
+        summary["qat_rel_degradation_pct"] = relative_degradation(
+            twin["final_val_loss"], summary["final_val_loss"], "loss")

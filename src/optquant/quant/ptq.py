@@ -233,7 +233,6 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     return new
 
 
-_replace = replace_module  # qat.py imported the private name first; keep it working
 
 
 def _calib_batches(calib: Tensor | Iterable, n: int, device: torch.device) -> list[Tensor]:

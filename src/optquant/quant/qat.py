@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from optquant.errors import OptquantError
 from optquant.quant.hadamard import hadamard, largest_pow2_divisor
 from optquant.quant.primitives import QuantSpec, int_params, round_to_grid
-from optquant.quant.ptq import _replace, linear_layers  # one layer-swapping helper for PTQ and QAT
+from optquant.quant.ptq import linear_layers, replace_module  # one layer-swapping helper for PTQ and QAT
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ def prepare_qat_(model: nn.Module, cfg: QATConfig) -> nn.Module:
     if not layers:
         raise OptquantError("prepare_qat_: the model has no nn.Linear layers to quantize")
     for name, lin in layers:
-        _replace(model, name, QATLinear(lin, cfg))
+        replace_module(model, name, QATLinear(lin, cfg))
     log.info("QAT: %d linear layers use %s W%dA%d", len(layers), cfg.method, cfg.w_bits, cfg.a_bits)
     return model
 
@@ -383,7 +383,7 @@ def load_quantized_(model: nn.Module, tensors: dict[str, Tensor]) -> nn.Module:
         raise OptquantError("load_quantized_: no '<layer>.meta' entries; not an export_quantized dict")
     for name in names:
         n = len(name) + 1
-        _replace(model, name, IntLinear({k[n:]: v for k, v in tensors.items() if k.startswith(name + ".")}))
+        replace_module(model, name, IntLinear({k[n:]: v for k, v in tensors.items() if k.startswith(name + ".")}))
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as e:
