@@ -117,3 +117,35 @@ def test_bf16_autocast_trains(nano_cfg, tmp_path):
     summary = train(cfg, tmp_path / "run")
     assert summary["bf16"] and math.isfinite(summary["final_val_loss"])
     torch.set_autocast_enabled("cpu", False)
+
+
+@pytest.mark.parametrize("name", ["adamw", "shampoo"])
+def test_common_loss_from_kept_checkpoint_equals_a_replay(nano_cfg, tmp_path, name):
+    """The study's CL stage starts each CL run from the source run's kept checkpoint of the last
+    evaluation before the crossing; that must be exactly what a replay from scratch gives, and the fine
+    evaluations must find the crossing to the step."""
+    from safetensors.torch import load_file
+
+    from optquant.study.plan import last_eval_before, seed_from_history
+
+    source_cfg = apply_overrides(nano_cfg, [f"optim.name={name}", "train.keep_history=true"])
+    source = tmp_path / "source"
+    train(source_cfg, source)
+    records = read_metrics(source)
+    assert sorted(p.name for p in (source / "history").iterdir())[0] == "step00000000.safetensors"
+    threshold = (records[1]["val_loss"] + records[2]["val_loss"]) / 2  # between the evals at steps 20 and 30
+    start = last_eval_before(records, threshold)
+    assert start == 20
+    cfg = apply_overrides(nano_cfg, [f"optim.name={name}", f"train.cl_threshold={threshold!r}",
+                                     "train.stop_at_cl=true", "train.cl_eval_every=1", f"train.cl_eval_from={start}"])
+    replay = train(cfg, tmp_path / "replay")
+    seed_from_history(source, start, tmp_path / "resumed")
+    assert (tmp_path / "resumed" / "checkpoint.safetensors").exists()
+    resumed = train(cfg, tmp_path / "resumed")
+    assert 20 < replay["cl_step"] <= 30 and resumed["cl_step"] == replay["cl_step"]
+    a, b = (load_file(p / "cl_model.safetensors") for p in (tmp_path / "replay", tmp_path / "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert read_metrics(tmp_path / "replay") == read_metrics(tmp_path / "resumed")
+    fine = [r for r in read_metrics(tmp_path / "replay") if r["step"] > start]
+    assert [r["step"] for r in fine] == list(range(start + 1, replay["cl_step"] + 1))
+    assert fine[-1]["val_loss"] <= threshold and all(r["val_loss"] > threshold for r in fine[:-1])

@@ -43,6 +43,9 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 autocast where it is fast
     cl_threshold: float | None = None  # Common Loss: keep the model that first reaches this val loss
     stop_at_cl: bool = False  # end the run at that first crossing (a study's CL re-run needs no more)
+    cl_eval_every: int = 0  # while the CL is not reached: also evaluate every this many steps (0 = off)
+    cl_eval_from: int = 0  # ... from this step on (the last regular evaluation before the crossing)
+    keep_history: bool = False  # keep the checkpoint of every evaluation in history/ (a study's LR sweep)
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class RunConfig:
 # Run presets: a model size and the batch settings that suit it. The budget follows from
 # train.tokens_per_param unless train.steps is set.
 RUN_PRESETS: dict[str, dict[str, Any]] = {
+    "zepto": {"train.batch_size": 16, "train.eval_every": 25},
+    "atto": {"train.batch_size": 16, "train.eval_every": 25},
     "femto": {"train.batch_size": 16, "train.eval_every": 25},
     "pico": {"train.batch_size": 16, "train.eval_every": 25},
     "nano": {"train.batch_size": 16, "train.eval_every": 25},

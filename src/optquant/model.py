@@ -66,6 +66,8 @@ class ModelConfig:
 # Size presets. Widths are multiples of 128 for the paper sizes, so every linear input dimension
 # (D and the MLP hidden width) admits the 128-block Hadamard of QuEST. Counts are in the README.
 PRESETS: dict[str, dict] = {
+    "zepto": dict(n_layer=1, d_model=16, n_head=2, n_kv_head=2, seq_len=64),
+    "atto": dict(n_layer=1, d_model=24, n_head=2, n_kv_head=2, seq_len=64),
     "femto": dict(n_layer=1, d_model=32, n_head=2, n_kv_head=2, seq_len=64),
     "pico": dict(n_layer=1, d_model=48, n_head=2, n_kv_head=2, seq_len=64),
     "nano": dict(n_layer=2, d_model=48, n_head=2, n_kv_head=2, seq_len=64),
