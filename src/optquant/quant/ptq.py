@@ -215,12 +215,8 @@ def quantized_copy(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | 
 
 
 def _rotate_(model: nn.Module) -> None:
-    try:  # lazy: rotate.py is optional for every other scheme
-        from optquant.quant.rotate import rotate_model_
-    except ModuleNotFoundError as e:
-        if e.name != "optquant.quant.rotate":
-            raise
-        raise OptquantError("ptq.rotation='hadamard' needs optquant.quant.rotate, which is missing") from e
+    from optquant.quant.rotate import rotate_model_  # only the rotated schemes need it
+
     rotate_model_(model)
 
 
