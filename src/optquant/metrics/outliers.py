@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from optquant.metrics.capture import capture
-from optquant.quant.ptq import linear_layers
+from optquant.quant.layers import linear_layers
 
 Center = Literal["median", "mean"]
 METRICS = ("mmr", "mmr_mean", "kurtosis", "kurt_rms")
