@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from optquant.data import DataConfig
 from optquant.errors import OptquantError
-from optquant.model import PRESETS, ModelConfig, model_config
+from optquant.model import MODEL_PRESETS, ModelConfig, model_config
 from optquant.optim import OPTIMIZERS, AdamWConfig
 from optquant.quant.qat_config import QATConfig
 
@@ -66,7 +66,7 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"train.batch_size": 16, "train.eval_every": 100},
     "small": {"train.batch_size": 32, "train.eval_every": 200},
     **{p: {"train.batch_size": 512, "train.grad_accum": 16, "train.eval_every": 200}
-       for p in PRESETS if p[0].isdigit()},
+       for p in MODEL_PRESETS if p[0].isdigit()},
 }
 
 
