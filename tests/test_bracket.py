@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from optquant.study.bracket import bracket, best_lr, extensions, refinement
+from optquant.study.bracket import best_lr, bracket, extensions, refinement
 
 
 def search(loss, grid, step=3.0, max_extensions=3, refine=True):

@@ -22,7 +22,6 @@ from optquant.study.plan import run_study
 from optquant.study.results import TIMING
 from optquant.study.spec import StudySpec, apply_study_overrides, lr_grid, study_preset
 
-
 CL_TOLERANCE = 0.05  # relative; smoke runs are 30 steps, where one early step moves the loss by up to ~4 %
 
 

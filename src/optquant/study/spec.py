@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from optquant.config import _parse, _set
+from optquant.config import parse_value, set_field
 from optquant.errors import OptquantError
 from optquant.optim import OPTIMIZERS
 from optquant.study.bracket import round_lr
@@ -109,13 +109,13 @@ def paper() -> StudySpec:
                      lr_step=2.0, run=("model.vocab_size=32000",), executor="slurm", workers=1)
 
 
-PRESETS = {"smoke": smoke, "cpu": cpu, "cpu-thorough": cpu_thorough, "gpu": gpu, "paper": paper}
+STUDY_PRESETS = {"smoke": smoke, "cpu": cpu, "cpu-thorough": cpu_thorough, "gpu": gpu, "paper": paper}
 
 
 def study_preset(name: str) -> StudySpec:
-    if name not in PRESETS:
-        raise OptquantError(f"unknown study preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return PRESETS[name]()
+    if name not in STUDY_PRESETS:
+        raise OptquantError(f"unknown study preset {name!r}; choose one of {', '.join(STUDY_PRESETS)}")
+    return STUDY_PRESETS[name]()
 
 
 def apply_study_overrides(spec: StudySpec, overrides: list[str]) -> StudySpec:
@@ -129,14 +129,14 @@ def apply_study_overrides(spec: StudySpec, overrides: list[str]) -> StudySpec:
             spec = replace(spec, run=spec.run + (value,))
         elif key.startswith("lrs."):
             opt = _known_optimizer(key[4:], item)
-            spec = replace(spec, lrs={**spec.lrs, opt: _parse(value, tuple[float, ...], key)})
+            spec = replace(spec, lrs={**spec.lrs, opt: parse_value(value, tuple[float, ...], key)})
         elif key.startswith("sweeps."):
             opt, _, param = key[7:].partition(".")
             _known_optimizer(opt, item)
             values = tuple(v.strip() for v in value.split(",") if v.strip())
             spec = replace(spec, sweeps={**spec.sweeps, opt: {**spec.sweeps.get(opt, {}), param: values}})
         else:
-            spec = _set(spec, [key], value, key)
+            spec = set_field(spec, [key], value, key)
     for opt in spec.optimizers:
         _known_optimizer(opt, "optimizers")
     return spec
