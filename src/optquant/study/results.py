@@ -19,13 +19,13 @@ from optquant.analysis import AnalysisConfig, read_result, write_parquet
 from optquant.checkpoint import atomic_write_json, read_json
 from optquant.errors import OptquantError
 from optquant.metrics.correlate import correlate
+from optquant.metrics.outliers import OUTLIER_METRICS
 from optquant.runs import read_config, read_summary
 from optquant.scaling import FitConfig, ScalingPoint, fit_joint, fit_laws
 
 log = logging.getLogger(__name__)
 TIMING = ("mean_step_seconds", "tokens_per_s")
 FP_METRICS = ("final_val_loss", "best_val_loss", "mean_step_seconds", "optimizer_state_bytes", "tokens_per_s")
-OUTLIER_METRICS = ("mmr", "mmr_mean", "kurtosis", "kurt_rms")
 PTQ_METRICS = ("val_loss", "mc_acc", "mc_acc_norm", "delta_val_loss", "delta_acc_norm", "R_L", "sum_A",
                "sum_B", "sum_C", "mean_gain", "mean_G1", "mean_G2")
 DAMAGE = ("delta_val_loss", "delta_acc_norm")
