@@ -276,7 +276,9 @@ def test_at_bound_makes_the_fit_not_identified():
 
 def test_no_interval_is_not_identified():
     fit = fit_law(law_points(), NO_CI)
-    assert fit.diagnostics.reasons == {"rho_4bit": "no rho_4bit interval (none computed)"}
+    assert fit.diagnostics.reasons == {"fit": "no intervals computed (interval=none)"}
+    nan = fit_law(law_points()[:3] + law_points()[6:7], FitConfig(interval="loo"))  # every refit fails
+    assert nan.diagnostics.reasons["rho_4bit"] == "no rho_4bit interval (too few identifiable refits)"
 
 
 def test_residuals_and_correlations_match_an_independent_computation():

@@ -33,10 +33,10 @@ condition number of the column-scaled J; the parameters at a bound; each interva
 and span of distinct sizes. A fit is "not identified" (with the reason, per parameter or "fit" for
 the whole fit) when it has fewer than `FitConfig.min_sizes` distinct N or an N span below
 `min_span`× (α and E are then not separable), when a parameter sits at its bound (A, α or E: the whole
-fit), when a ρ has no finite interval, or when a ρ interval is wider than the spread of that ρ across
-optimizers (`judge`: per-optimizer fits against each other, a joint fit within itself). The joint fit
-with shared α and E is the headline ρ, as the authors later recommended: per-optimizer fits let each
-ρ trade off against its own E.
+fit), when a ρ has no finite interval (or none were computed), or when a ρ interval is wider than the
+spread of that ρ across optimizers (`judge`: per-optimizer fits against each other, a joint fit within
+itself). The joint fit with shared α and E is the headline ρ, as the authors later recommended:
+per-optimizer fits let each ρ trade off against its own E.
 
 Left out on purpose: the two-variable form B/D^β (D is tied to N here), and fitting bits as a
 continuous variable (Kumar et al. 2024); each bit width gets its own ρ.
@@ -323,14 +323,15 @@ def _judged(fit: _F, spreads: dict[str, float], cfg: FitConfig) -> _F:
     for name in fit.at_bound:
         reasons.setdefault("fit" if name in _SHARED else name, []).append(
             f"{name} at its bound" + (f" ({params[name]:.3g})" if name in params else ""))
+    if fit.method == "none":
+        reasons.setdefault("fit", []).append("no intervals computed (interval=none)")
     for name in diag.names:
-        if not name.startswith("rho_"):
+        if not name.startswith("rho_") or fit.method == "none":
             continue
         width = diag.interval_width.get(name, math.nan)
         spread = spreads.get(name.split("/")[0])
         if not math.isfinite(width):
-            why = "none computed" if fit.method == "none" else "too few identifiable resamples"
-            reasons.setdefault(name, []).append(f"no {name} interval ({why})")
+            reasons.setdefault(name, []).append(f"no {name} interval (too few identifiable refits)")
         elif spread is not None and width > spread:
             reasons.setdefault(name, []).append(
                 f"{name} interval width {width:.3g} > spread {spread:.3g} across optimizers")
