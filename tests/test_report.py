@@ -354,7 +354,9 @@ def test_fit_tables_say_not_identified_and_show_diagnostics(tmp_path):
     (root / "fits.json").write_text(json.dumps(fits(df[df.optimizer.isin(["adamw", "muon"])], "none")))
     d = load_study(root)
     assert [r[1][:40] for r in table10(d).rows] == ["not identified (3 distinct sizes (< 4); "] * 2
-    assert all(c.startswith("not identified (3 distinct sizes") for r in table10_joint(d).rows for c in r[1:])
+    joint = table10_joint(d)
+    assert all(c.startswith("not identified (whole fit, see below") for r in joint.rows for c in r[1:])
+    assert joint.caption.startswith("The whole fit is not identified: 3 distinct sizes (< 4)")
     diag = fit_diagnostics_table(d)
     assert [r[0] for r in diag.rows] == ["AdamW (per optimizer)", "Muon (per optimizer)", "joint (headline)"]
     assert {r[2] for r in diag.rows} == {"3 over 9×"} and all(r[-1].startswith("not identified: 3") for r in diag.rows)

@@ -163,11 +163,14 @@ def table4(d: StudyData) -> Table:
 
 
 # ---------------------------------------------------------------- Table 10
-def _not_identified(fit: dict, name: str) -> str:
+def _not_identified(fit: dict, name: str, whole: str = "") -> str:
     """"not identified (why)" for parameter `name` of a fits.json entry, or "" if its diagnostics (when
-    stored; older files have none) found nothing against it; reasons under "fit" apply to every parameter."""
+    stored; older files have none) found nothing against it; reasons under "fit" apply to every parameter
+    (given as `whole` instead, when set, so a table can state them once)."""
     reasons = (fit.get("diagnostics") or {}).get("reasons") or {}
-    why = "; ".join(reasons[k] for k in ("fit", name) if k in reasons)
+    own = [reasons[name]] if name in reasons else []
+    fit_wide = ([whole] if whole else [reasons["fit"]]) if "fit" in reasons else []
+    why = "; ".join(fit_wide + own)
     return f"not identified ({why})" if why else ""
 
 
@@ -226,8 +229,8 @@ def table10_joint(d: StudyData) -> Table:
         rows.append(
             (
                 d.label(o),
-                _not_identified(j, f"rho_fp/{o}") or fp,
-                _not_identified(j, f"rho_4bit/{o}")
+                _not_identified(j, f"rho_fp/{o}", "whole fit, see below") or fp,
+                _not_identified(j, f"rho_4bit/{o}", "whole fit, see below")
                 or fmt_ci(fit_rho4(j["rho"][o]), fit_interval(iv, f"rho_4bit/{o}", f"rho/{o}", o)),
             )
         )
@@ -235,8 +238,10 @@ def table10_joint(d: StudyData) -> Table:
         f"{n} = {fmt_ci(float(j[k]), fit_interval(iv, k))}" for n, k in (("α", "alpha"), ("E", "E"))
     )
     headline = (d.fits or {}).get("headline")
+    whole = ((j.get("diagnostics") or {}).get("reasons") or {}).get("fit")
     caption = (
-        f"From fits.json joint: {shared}; {j.get('n_points', '?')} points. ρ_fp is relative to "
+        (f"The whole fit is not identified: {whole}. " if whole else "")
+        + f"From fits.json joint: {shared}; {j.get('n_points', '?')} points. ρ_fp is relative to "
         f"{d.label(j.get('reference', 'adamw'))} (ρ_fp = 1); ρ_4bit is relative to the optimizer's own FP."
         + (" This joint fit is the study's headline ρ (fits.json headline: joint): sharing α and E stops "
            "each ρ trading off against its own E, as the authors later recommended." if headline == "joint" else "")
