@@ -19,7 +19,7 @@ import pytest
 from optquant.runs import read_metrics
 from optquant.study.executor import Job, execute
 from optquant.study.plan import run_study
-from optquant.study.results import TIMING
+from optquant.study.results import TIMING, refit
 from optquant.study.spec import StudySpec, apply_study_overrides, lr_grid, study_preset
 
 CL_TOLERANCE = 0.05  # relative; smoke runs are 30 steps, where one early step moves the loss by up to ~4 %
@@ -137,3 +137,17 @@ def test_fit_command_rebuilds_fits_from_results(corpus, tmp_path, capsys):
     assert (tmp_path / "study" / "fits.json").exists()
     assert "written:" in capsys.readouterr().out
     assert main(["fit", str(tmp_path / "nothing")]) == 2
+    # the fit counts N as the token budget does: total here (smoke), non-embedding when the runs say so
+    study = tmp_path / "study"
+    sizes = json.loads((study / "study.json").read_text())["sizes"]
+    fits = json.loads((study / "fits.json").read_text())
+    assert fits["n_count"] == "total" and fits["headline"] == "joint"
+    used = {r["n_params"] for f in fits["per_optimizer"].values() for r in f["diagnostics"]["residuals"]}
+    assert used == {s["n_params"] for s in sizes.values()}
+    df = pd.read_parquet(study / "results.parquet")
+    df.assign(budget_params="non_embedding").to_parquet(study / "results.parquet")
+    fits = refit(study, "none")
+    assert fits["n_count"] == "non_embedding"
+    used = {r["n_params"] for f in fits["per_optimizer"].values() for r in f["diagnostics"]["residuals"]}
+    assert used == {s["n_params_non_embedding"] for s in sizes.values()} and used.isdisjoint(
+        {s["n_params"] for s in sizes.values()})

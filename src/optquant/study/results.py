@@ -4,6 +4,13 @@ results.parquet is long: one row per run × scheme × metric, with the run's siz
 kind ("fp" LR-sweep run, "cl" Common-Loss model, "qat") and whether it is its (optimizer, size)'s best
 LR. Timing metrics (step time, tokens/s) vary between machines and reruns; everything else is
 deterministic and equal between an interrupted-and-resumed study and an uninterrupted one.
+
+N in the scaling fits is the N the token budget multiplies: each row carries the run's total and
+non-embedding parameter counts and its `train.budget_params`, and `fits` uses the non-embedding count
+when the budget does (the `cpu` preset: Kaplan's N, since a 1024-word embedding would otherwise dominate
+the small models) and the total otherwise. fits.json names it ("n_count") and names the joint fit (shared
+α and E) as the headline ρ ("headline": "joint"); every fit carries its diagnostics and its
+identified / not-identified verdict (optquant.scaling).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from optquant.errors import OptquantError
 from optquant.metrics.correlate import correlate
 from optquant.metrics.outliers import OUTLIER_METRICS
 from optquant.runs import read_config, read_summary
-from optquant.scaling import FitConfig, ScalingPoint, fit_joint, fit_laws
+from optquant.scaling import FitConfig, ScalingPoint, fit_joint, fit_laws, judge
 
 log = logging.getLogger(__name__)
 TIMING = ("mean_step_seconds", "tokens_per_s")
@@ -44,7 +51,9 @@ def _rows(base: dict[str, Any], scheme: str, values: dict[str, Any], names) -> l
 def _base(run: Path, summary: dict, kind: str, size: str, best: bool) -> dict[str, Any]:
     cfg = read_config(run)
     return {"size": size, "n_params": summary.get("n_params"), "optimizer": cfg.optim.name,
-            "lr": cfg.optim.lr, "seed": cfg.seed, "kind": kind, "best_lr": best, "run_id": run.name}
+            "lr": cfg.optim.lr, "seed": cfg.seed, "kind": kind, "best_lr": best, "run_id": run.name,
+            "n_params_non_embedding": summary.get("n_params_non_embedding"),
+            "budget_params": cfg.train.budget_params}
 
 
 def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> pd.DataFrame:
@@ -142,22 +151,34 @@ def _col(value: str, method: str) -> str:
     return {"r": method, "ci_low": f"{method}_lo", "ci_high": f"{method}_hi"}[value]
 
 
+def _fit_n(df: pd.DataFrame) -> tuple[pd.Series, str]:
+    """Per row, the parameter count the run's token budget used (see the module docstring), and its name.
+    A results.parquet written before the budget columns existed falls back to the total count."""
+    if "budget_params" not in df or "n_params_non_embedding" not in df:
+        log.warning("results.parquet has no budget_params column; fitting total parameter counts")
+        return df["n_params"], "total (results.parquet predates budget_params)"
+    non_emb = df["budget_params"] == "non_embedding"
+    n = df["n_params_non_embedding"].where(non_emb, df["n_params"])
+    return n, "/".join(sorted(set(df["budget_params"].dropna()))) or "total"
+
+
 def fits(df: pd.DataFrame, interval: str = "bootstrap") -> dict[str, Any]:
-    fp = df[(df.kind == "fp") & df.best_lr & (df.metric == "final_val_loss")]
-    qat = df[(df.kind == "qat") & (df.metric == "final_val_loss")]
-    points = [ScalingPoint(r.optimizer, int(r.n_params), float(r.value)) for r in fp.itertuples()
-              if math.isfinite(r.value)]
-    points += [ScalingPoint(r.optimizer, int(r.n_params), float(r.value), quantized=True,
-                            bits=int(r.scheme.split("w")[1].split("a")[0])) for r in qat.itertuples()
-               if math.isfinite(r.value)]
-    out: dict[str, Any] = {"per_optimizer": {}, "joint": None, "errors": {}}
+    rows = df[(df.kind.isin(["fp", "qat"])) & (df.metric == "final_val_loss") & ((df.kind == "qat") | df.best_lr)]
+    n, n_count = _fit_n(rows)
+    points = [ScalingPoint(r.optimizer, float(r.n_fit), float(r.value), quantized=r.kind == "qat",
+                           bits=int(r.scheme.split("w")[1].split("a")[0]) if r.kind == "qat" else 4,
+                           seed=None if pd.isna(r.seed) else int(r.seed))
+              for r in rows.assign(n_fit=n).itertuples() if math.isfinite(r.value)]
+    out: dict[str, Any] = {"per_optimizer": {}, "joint": None, "errors": {}, "headline": "joint",
+                           "n_count": n_count}
     cfg = FitConfig(n_boot=100, interval=interval)
+    laws = {}
     for opt in sorted({p.optimizer for p in points}):
         try:
-            out["per_optimizer"].update({k: v.to_dict() for k, v in
-                                         fit_laws([p for p in points if p.optimizer == opt], cfg).items()})
+            laws.update(fit_laws([p for p in points if p.optimizer == opt], cfg))
         except OptquantError as e:
             out["errors"][opt] = str(e)
+    out["per_optimizer"] = {k: v.to_dict() for k, v in judge(laws, cfg).items()}
     try:
         out["joint"] = fit_joint(points, cfg).to_dict() if points else None
     except OptquantError as e:
