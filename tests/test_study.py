@@ -66,8 +66,8 @@ def test_study_end_to_end_with_sweep(corpus, tmp_path):
     assert len(qat) == 4 and qat.value.notna().all()
     assert (tmp_path / "study" / "fits.json").exists() and report.exists()
     corr = pd.read_parquet(tmp_path / "study" / "correlations.parquet")
-    assert set(corr.loc[corr["size"] == "all", "n"]) == {4}  # every CL model, no spurious combinations
-    assert set(corr["size"]) == {"all", *spec.sizes}
+    assert set(corr.loc[corr["size"] == "pooled", "n"]) == {4}  # every CL model, no spurious combinations
+    assert set(corr["size"]) == {"pooled", *spec.sizes}
     # the sweep fixed muon's momentum for every size: its runs carry the chosen value
     runs = [p for p in (tmp_path / "study" / "runs").iterdir() if "-muon-" in p.name]
     assert any('"momentum": 0.9' in (p / "config.json").read_text() for p in runs)
