@@ -160,8 +160,11 @@ def _report(args: argparse.Namespace) -> int:
     from optquant.report import render_report, report_markdown
 
     path = render_report(args.study_dir)
-    print(report_markdown(args.study_dir))
-    print(f"report: {path}")
+    if args.markdown:  # the headline tables for the README, from the same Table objects as the HTML
+        print(report_markdown(args.study_dir))
+        print(f"report: {path}", file=sys.stderr)
+    else:
+        print(f"report: {path}")
     return 0
 
 
@@ -230,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_fit)
     p = sub.add_parser("report", help="(re)build a study's HTML report from its files")
     p.add_argument("study_dir", type=Path)
+    p.add_argument("--markdown", action="store_true", help="print the headline tables as Markdown (for the README)")
     p.set_defaults(func=_report)
     return parser
 
