@@ -112,10 +112,12 @@ def test_submitit_local_executor_runs_train_jobs(nano_cfg, tmp_path):
     assert results["r0"]["final_val_loss"] != results["r1"]["final_val_loss"]
 
 
-def test_fit_command_rebuilds_fits_from_results(corpus, tmp_path, capsys):
+def test_fit_command_rebuilds_fits_from_results(smoke_study, tmp_path, capsys):
+    import shutil
+
     from optquant.cli import main
 
-    run_study(small_spec(corpus, workers=1, qat_bits="4"), tmp_path / "study")
+    shutil.copytree(smoke_study, tmp_path / "study")  # conftest's real smoke study, shared with test_report
     (tmp_path / "study" / "fits.json").unlink()
     assert main(["fit", str(tmp_path / "study"), "--interval", "none"]) == 0
     assert (tmp_path / "study" / "fits.json").exists()

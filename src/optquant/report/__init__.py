@@ -37,7 +37,7 @@ from optquant.report.tables import (
     to_markdown,
 )
 
-__all__ = ["render_report", "report_markdown"]
+__all__ = ["headline_tables", "render_report", "report_markdown"]
 
 log = logging.getLogger(__name__)
 
