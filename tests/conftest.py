@@ -61,12 +61,9 @@ def smoke_study(tmp_path_factory, corpus):
     """A real study directory written by `run_study` on the smoke preset reduced to 2 optimizers × 2 sizes and
     2 PTQ schemes (~30 s on one core). Tests that change files must copy it first."""
     from optquant.study.plan import run_study
-    from optquant.study.spec import StudySpec, apply_study_overrides, study_preset
+    from optquant.study.spec import apply_study_overrides, study_preset
 
-    overrides = [f"run=data.source={corpus}", *SMOKE_OVERRIDES]
-    if "seeds" in StudySpec.__dataclass_fields__:  # several seeds where the spec has them
-        overrides.append("seeds=2")
-    spec = apply_study_overrides(study_preset("smoke"), overrides)
+    spec = apply_study_overrides(study_preset("smoke"), [f"run=data.source={corpus}", *SMOKE_OVERRIDES])
     root = tmp_path_factory.mktemp("smoke") / "study"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OPTQUANT_CACHE", str(tmp_path_factory.getbasetemp() / "optquant-cache"))

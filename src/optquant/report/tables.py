@@ -245,7 +245,8 @@ def lr_status_table(d: StudyData) -> Table:
             continue
         opt, _, size = k.partition("/")
         reason = r.get("reason") or ("best LR at the grid edge" if status == "edge" else "")
-        rows.append((d.size_label(size), d.label(opt), fmt_lr(float(r.get("best_lr", math.nan))), status, reason))
+        lr = r.get("best_lr")
+        rows.append((d.size_label(size), d.label(opt), fmt_lr(math.nan if lr is None else float(lr)), status, reason))
     n = len(d.best)
     if not rows:
         return Table("lr-status", title, ("size", "optimizer"), (), f"From best.json: all {n} LR searches "
