@@ -106,3 +106,16 @@ def test_partial_corr_matches_residual_definition_and_removes_a_confounder():
     assert s.r == pytest.approx(stats.pearsonr(resid(rx, rz), resid(rw, rz)).statistic)
     assert s.r > 0.5 and s.p < 1e-4 and 0 < s.lo < s.hi
     assert math.isnan(partial_corr([1, 2, 3], [1, 2, 4], [0, 1, 1]).r)  # n < 4
+
+
+def test_six_optimizers_need_ten_units_before_holm_over_all_pairs_can_resolve():
+    rng = np.random.default_rng(3)
+
+    def ranking(n_units):
+        noise = rng.normal(0, 0.01, n_units)
+        return rank_with_ties({f"o{k}": pd.Series(k + noise + rng.normal(0, 0.001, n_units)) for k in range(6)})
+
+    nine = ranking(9)  # 3 sizes × 3 seeds: 2/2^9 = 0.0039 > 0.05/15, so no pair can pass Holm
+    assert set(nine.rank.values()) == {1} and not nine.resolved()
+    ten = ranking(10)
+    assert ten.rank == {f"o{k}": k + 1 for k in range(6)} and ten.resolved()
