@@ -24,7 +24,7 @@ from optquant.metrics.outliers import (
     outlier_metrics,
 )
 from optquant.model import LM, model_config
-from optquant.quant.ptq import linear_layers
+from optquant.quant.layers import linear_layers
 
 
 def _acts(seed=0, T=200, d=48):

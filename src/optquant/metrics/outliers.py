@@ -36,10 +36,10 @@ import torch
 from torch import Tensor, nn
 
 from optquant.metrics.capture import capture
-from optquant.quant.ptq import linear_layers
+from optquant.quant.layers import linear_layers
 
 Center = Literal["median", "mean"]
-METRICS = ("mmr", "mmr_mean", "kurtosis", "kurt_rms")
+OUTLIER_METRICS = ("mmr", "mmr_mean", "kurtosis", "kurt_rms")
 
 
 def _tokens(x: Tensor) -> Tensor:
@@ -237,11 +237,11 @@ def aggregate(rows: Iterable[OutlierRow]) -> dict[str, float]:
     rows = list(rows)
     out: dict[str, float] = {}
     for kind in ("linear", "residual"):
-        for metric in METRICS:
+        for metric in OUTLIER_METRICS:
             vals = np.array([getattr(r, metric) for r in rows if r.kind == kind], dtype=np.float64)
             finite = vals[np.isfinite(vals)]
             out[f"{kind}.{metric}.mean"] = float(finite.mean()) if finite.size else math.nan
             out[f"{kind}.{metric}.max"] = float(finite.max()) if finite.size else math.nan
-    for metric in METRICS:
+    for metric in OUTLIER_METRICS:
         out[metric] = out[f"residual.{metric}.mean"]
     return out

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from optquant.analysis import AnalysisConfig, read_result, write_parquet
-from optquant.checkpoint import atomic_write_json
+from optquant.checkpoint import atomic_write_json, read_json
 from optquant.errors import OptquantError
 from optquant.metrics.correlate import correlate
 from optquant.runs import read_config, read_summary
@@ -50,6 +50,7 @@ def _base(run: Path, summary: dict, kind: str, size: str, best: bool) -> dict[st
 
 def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> pd.DataFrame:
     rows: list[dict[str, Any]] = []
+    sweep = AnalysisConfig(weights="final")
     for (_, size), row in table.items():
         for lr, summaries in row["lrs"].items():
             for s in summaries:
@@ -57,26 +58,23 @@ def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> p
                 base = _base(run, s, "fp", size, lr == row["best"])
                 rows += _rows(base, "none", {**s, "diverged": float(s["status"] == "diverged")},
                               (*FP_METRICS, "diverged"))
-                rows += [{**base, "scheme": "none", "metric": "best_lr_at_edge", "value": float(row["edge"])}]
-                outliers = run / "ptq" / "final" / "outliers.json"
-                if outliers.exists():
-                    rows += _rows(base, "none", pd.read_json(outliers, typ="series").to_dict(), OUTLIER_METRICS)
+                rows += _rows(base, "none", {"best_lr_at_edge": float(row["status"] == "cap"),
+                                             "lr_bracketed": float(row["status"] == "bracketed")},
+                              ("best_lr_at_edge", "lr_bracketed"))
+                rows += _sweep_rows(study, run, base, sweep)
     acfg = AnalysisConfig(weights="cl")
-    for (_, size, seed), run in cl_paths.items():
+    for (_, size, _), run in cl_paths.items():
         s = read_summary(run)
         base = _base(run, s, "cl", size, True)
-        rows += _rows(base, "none", {"cl_threshold": thresholds[(size, seed)], "cl_step": s["cl_step"]},
+        rows += _rows(base, "none", {"cl_threshold": thresholds[size], "cl_step": s["cl_step"]},
                       ("cl_threshold", "cl_step"))
         for scheme in study.spec.ptq_schemes:
             damage = read_result(run, acfg, scheme, "summary.json") or {}
             metrics = read_result(run, acfg, scheme, "analysis.json") or {}
             if scheme == study.spec.ptq_schemes[0]:  # FP numbers of the CL model, once
-                fp = {"val_loss": damage.get("val_loss_fp"), "mc_acc": damage.get("mc_acc_fp"),
-                      "mc_acc_norm": damage.get("mc_acc_norm_fp"), **metrics}
-                rows += _rows(base, "none", fp, ("val_loss", "mc_acc", "mc_acc_norm", *OUTLIER_METRICS))
-            q = {"val_loss": damage.get("val_loss_q"), "mc_acc": damage.get("mc_acc_q"),
-                 "mc_acc_norm": damage.get("mc_acc_norm_q"), **damage, **metrics}
-            rows += _rows(base, scheme, q, PTQ_METRICS)
+                rows += _rows(base, "none", _fp_side(damage, metrics), ("val_loss", "mc_acc", "mc_acc_norm",
+                                                                        *OUTLIER_METRICS))
+            rows += _rows(base, scheme, _q_side(damage, metrics), PTQ_METRICS)
     for run_id, s in qat.items():
         run = study.runs / run_id
         cfg = read_config(run)
@@ -87,6 +85,31 @@ def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> p
     df = pd.DataFrame(rows)
     return df.sort_values(["kind", "size", "optimizer", "lr", "seed", "scheme", "metric"], kind="stable",
                           ignore_index=True) if len(df) else df
+
+
+def _fp_side(damage: dict, metrics: dict) -> dict:
+    return {"val_loss": damage.get("val_loss_fp"), "mc_acc": damage.get("mc_acc_fp"),
+            "mc_acc_norm": damage.get("mc_acc_norm_fp"), **metrics}
+
+
+def _q_side(damage: dict, metrics: dict) -> dict:
+    return {"val_loss": damage.get("val_loss_q"), "mc_acc": damage.get("mc_acc_q"),
+            "mc_acc_norm": damage.get("mc_acc_norm_q"), **damage, **metrics}
+
+
+def _sweep_rows(study, run: Path, base: dict, acfg: AnalysisConfig) -> list[dict[str, Any]]:
+    """An FP run's final model: its outliers, and each sweep scheme's damage and ABC terms."""
+    rows = []
+    for i, scheme in enumerate(study.spec.sweep_ptq_schemes):
+        damage = read_result(run, acfg, scheme, "summary.json") or {}
+        metrics = read_result(run, acfg, scheme, "analysis.json") or {}
+        if i == 0:
+            rows += _rows(base, "none", metrics, OUTLIER_METRICS)
+        rows += _rows(base, scheme, _q_side(damage, metrics), PTQ_METRICS)
+    outliers = run / "ptq" / "final" / "outliers.json"
+    if not study.spec.sweep_ptq_schemes and outliers.exists():
+        rows += _rows(base, "none", read_json(outliers), OUTLIER_METRICS)
+    return rows
 
 
 def correlations(df: pd.DataFrame, n_boot: int = 500) -> pd.DataFrame:
@@ -170,9 +193,10 @@ def write_results(study, table: dict, thresholds: dict, cl_paths: dict, qat: dic
     corr = correlations(df)
     write_parquet(study.root / "correlations.parquet", corr)
     atomic_write_json(study.root / "fits.json", fits(df, study.spec.fit_interval))
-    atomic_write_json(study.root / "best.json", {f"{o}/{s}": {"best_lr": r["best"], "edge": r["edge"],
-                                                             "loss": r["best_loss"]}
-                                                 for (o, s), r in table.items()})
+    atomic_write_json(study.root / "best.json", {
+        f"{o}/{s}": {"best_lr": r["best"], "status": r["status"], "reason": r["reason"],
+                     "loss": r["best_loss"] if math.isfinite(r["best_loss"]) else None,
+                     "seeds": len(r["lrs"].get(r["best"], []))} for (o, s), r in table.items()})
     log.info("results: %d rows, %d correlations", len(df), len(corr))
     return df
 
