@@ -88,8 +88,9 @@ def test_study_end_to_end_with_sweep(corpus, tmp_path):
     corr = pd.read_parquet(tmp_path / "study" / "correlations.parquet")
     assert set(corr["size"]) == {"pooled", *spec.sizes}
     rtn = df[(df.scheme == "w4a4-rtn") & (df.metric == "delta_val_loss") & df.kind.isin(["fp", "cl"])]
-    pooled = corr[(corr["size"] == "pooled") & (corr["scheme"] == "w4a4-rtn")]
-    assert set(pooled["n"]) == {rtn["value"].notna().sum()} and "pearson_partial" in corr
+    pooled = corr[(corr["size"] == "pooled") & (corr["scheme"] == "w4a4-rtn") & (corr["metric"] == "R_L")
+                  & (corr["target"] == "delta_val_loss")]  # fmt: skip
+    assert list(pooled["n"]) == [rtn["value"].notna().sum()] and "pearson_partial" in corr
     # the sweep fixed muon's momentum for every size: its runs carry the chosen value
     runs = [p for p in (tmp_path / "study" / "runs").iterdir() if "-muon-" in p.name]
     assert any('"momentum": 0.9' in (p / "config.json").read_text() for p in runs)
