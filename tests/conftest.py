@@ -50,3 +50,22 @@ def nano_cfg(corpus):
         f"data.source={corpus}", "model.vocab_size=320", "model.seq_len=32", "train.batch_size=8",
         "train.steps=40", "train.eval_every=10", "train.eval_batches=2", "train.precision=fp32",
     ])
+
+
+SMOKE_OVERRIDES = ("run=model.vocab_size=320", "optimizers=adamw,muon", "ptq_schemes=w4a4-rtn,w4a4-gptq-had",
+                   "lrs.adamw=0.001,0.003", "workers=1")
+
+
+@pytest.fixture(scope="session")
+def smoke_study(tmp_path_factory, corpus):
+    """A real study directory written by `run_study` on the smoke preset reduced to 2 optimizers × 2 sizes and
+    2 PTQ schemes (~30 s on one core). Tests that change files must copy it first."""
+    from optquant.study.plan import run_study
+    from optquant.study.spec import apply_study_overrides, study_preset
+
+    spec = apply_study_overrides(study_preset("smoke"), [f"run=data.source={corpus}", *SMOKE_OVERRIDES])
+    root = tmp_path_factory.mktemp("smoke") / "study"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OPTQUANT_CACHE", str(tmp_path_factory.getbasetemp() / "optquant-cache"))
+        run_study(spec, root)
+    return root

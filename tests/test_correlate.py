@@ -152,3 +152,55 @@ def test_first_crossing():
     assert first_crossing(records, 3.26)["step"] == 200  # "at or below"
     assert first_crossing(records, 3.0) is None
     assert first_crossing(records, 3.255, tol=0.01)["step"] == 200
+
+
+def test_partial_methods_control_for_a_column():
+    from optquant.stats import partial_corr
+
+    df = _models(n=30, seed=5)
+    df["loss"] = df["R_L"] * 2 + np.random.default_rng(0).normal(0, 0.05, len(df))
+    out = correlate(df, ["R_L", "mmr"], ["d_val_loss"], control="loss", n_boot=200).set_index(["metric", "method"])
+    assert set(out.index.get_level_values("method")) == {"pearson", "spearman", "pearson_partial", "spearman_partial"}
+    ref = partial_corr(df["R_L"], df["d_val_loss"], df["loss"], "spearman", n_boot=200)
+    assert out.loc[("R_L", "spearman_partial"), "r"] == pytest.approx(ref.r)
+    assert out.loc[("R_L", "spearman_partial"), "p"] == pytest.approx(ref.p)
+    with pytest.raises(OptquantError, match="control column"):
+        correlate(df, control="nope")
+
+
+def _long(models):
+    """results.parquet rows (the study's long layout) for models given as dicts of per-scheme metrics."""
+    rows = []
+    for m in models:
+        base = {k: m[k] for k in ("run_id", "size", "optimizer", "kind")} | {"n_params": 1, "lr": 1e-3, "seed": 0,
+                                                                              "best_lr": False}
+        for scheme, metrics in m["metrics"].items():
+            rows += [base | {"scheme": scheme, "metric": k, "value": float(v)} for k, v in metrics.items()]
+    return pd.DataFrame(rows)
+
+
+def test_study_correlations_within_size_over_sweep_and_cl_models():
+    from optquant.study.results import correlations
+
+    rng = np.random.default_rng(0)
+    models = []
+    for size in ("s", "l"):
+        for i in range(8):
+            kind = "cl" if i < 2 else "fp"
+            loss, r_l = 3 - 0.1 * i + rng.normal(0, 0.01), rng.uniform(0.01, 0.1)
+            dmg = 0.5 * r_l + 0.05 * i + rng.normal(0, 0.001)  # damage grows as loss falls
+            none = {"mmr": rng.uniform(5, 9), "kurtosis": 3.0 + i, "diverged": float(i == 7)}
+            none |= {"val_loss": loss} if kind == "cl" else {"final_val_loss": loss}
+            models.append({"run_id": f"{size}{i}", "size": size, "optimizer": "adamw", "kind": kind,
+                           "metrics": {"none": none, "w4a4-rtn": {"R_L": r_l, "delta_val_loss": dmg,
+                                                                 "val_loss": loss + dmg}}})
+    c = correlations(_long(models), n_boot=100).set_index(["size", "metric"])
+    assert set(c["scheme"]) == {"w4a4-rtn"} and set(c.index.get_level_values("size")) == {"s", "l", "pooled"}
+    assert c.loc[("l", "R_L"), "n"] == 7 and c.loc[("pooled", "R_L"), "n"] == 14  # the diverged run is out
+    assert c.loc[("l", "R_L"), "n_cl"] == 2
+    assert c.loc[("l", "R_L"), "pearson_partial"] > 0.9 > c.loc[("l", "R_L"), "pearson"]
+    # kurtosis tracks only the loss here: strong plain correlation, nothing left once loss is controlled
+    assert c.loc[("l", "kurtosis"), "pearson"] > 0.9 and c.loc[("l", "kurtosis"), "pearson_p"] < 0.01
+    assert c.loc[("l", "kurtosis"), "pearson_partial_p"] > 0.05
+    for col in ("pearson_lo", "pearson_hi", "pearson_p", "pearson_partial_lo", "pearson_partial_p", "spearman_p"):
+        assert np.isfinite(c.loc[("l", "R_L"), col]), col

@@ -23,7 +23,7 @@ import optquant
 SRC = Path(optquant.__file__).parent
 LAYERS = [
     {"", "errors"},  # "" = the optquant package itself
-    {"model", "data", "checkpoint", "distributed", "evaluate", "scaling"},
+    {"model", "data", "checkpoint", "distributed", "evaluate", "scaling", "stats"},
     {"optim", "quant"},
     {"config", "runs"},
     {"metrics"},

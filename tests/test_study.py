@@ -84,6 +84,13 @@ def test_study_end_to_end_with_sweep(corpus, tmp_path):
     assert len(sweep) == len(df[(df.kind == "fp") & (df.metric == "final_val_loss")])
     assert not list((tmp_path / "study" / "runs").glob("*/history"))  # pruned after the CL stage
     assert (tmp_path / "study" / "fits.json").exists() and report.exists()
+    # correlations within each size over every model with PTQ rows (sweep runs + CL models), then pooled
+    corr = pd.read_parquet(tmp_path / "study" / "correlations.parquet")
+    assert set(corr["size"]) == {"pooled", *spec.sizes}
+    rtn = df[(df.scheme == "w4a4-rtn") & (df.metric == "delta_val_loss") & df.kind.isin(["fp", "cl"])]
+    pooled = corr[(corr["size"] == "pooled") & (corr["scheme"] == "w4a4-rtn") & (corr["metric"] == "R_L")
+                  & (corr["target"] == "delta_val_loss")]  # fmt: skip
+    assert list(pooled["n"]) == [rtn["value"].notna().sum()] and "pearson_partial" in corr
     # the sweep fixed muon's momentum for every size: its runs carry the chosen value
     runs = [p for p in (tmp_path / "study" / "runs").iterdir() if "-muon-" in p.name]
     assert any('"momentum": 0.9' in (p / "config.json").read_text() for p in runs)
@@ -128,10 +135,12 @@ def test_submitit_local_executor_runs_train_jobs(nano_cfg, tmp_path):
     assert results["r0"]["final_val_loss"] != results["r1"]["final_val_loss"]
 
 
-def test_fit_command_rebuilds_fits_from_results(corpus, tmp_path, capsys):
+def test_fit_command_rebuilds_fits_from_results(smoke_study, tmp_path, capsys):
+    import shutil
+
     from optquant.cli import main
 
-    run_study(small_spec(corpus, workers=1, qat_bits="4"), tmp_path / "study")
+    shutil.copytree(smoke_study, tmp_path / "study")  # conftest's real smoke study, shared with test_report
     (tmp_path / "study" / "fits.json").unlink()
     assert main(["fit", str(tmp_path / "study"), "--interval", "none"]) == 0
     assert (tmp_path / "study" / "fits.json").exists()

@@ -167,9 +167,10 @@ def _fit(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from optquant.report import render_report, report_markdown
 
-    path = render_report(args.study_dir)
-    print(report_markdown(args.study_dir))
-    print(f"report: {path}")
+    if args.markdown:  # the headline tables for the README, from the same Table objects as the HTML page
+        print(report_markdown(args.study_dir))
+        return 0
+    print(f"report: {render_report(args.study_dir)}")
     return 0
 
 
@@ -238,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_fit)
     p = sub.add_parser("report", help="(re)build a study's HTML report from its files")
     p.add_argument("study_dir", type=Path)
+    p.add_argument("--markdown", action="store_true",
+                   help="print the headline tables as Markdown (for the README) instead of writing the HTML")
     p.set_defaults(func=_report)
     return parser
 

@@ -9,7 +9,12 @@ The bootstrap is written out instead of `scipy.stats.bootstrap` because with the
 study has (six optimizers), many resamples repeat one model and have no defined correlation; scipy
 then returns NaN for the whole interval, while here those resamples are dropped (their share is
 reported as `boot_degenerate`). With fewer than 3 models or a constant column every number is NaN.
-Left out on purpose: multiple-comparison corrections and partial correlations.
+
+With `control` (e.g. the models' FP validation loss: damage grows as loss falls, so a metric that tracks
+loss looks predictive), two more methods are added per pair: `pearson_partial` and `spearman_partial`,
+the correlation controlling for that column (`optquant.stats.partial_corr`: residuals of a linear
+regression on the control, p from t with n − 3 dof, bootstrap CI).
+Left out on purpose: multiple-comparison corrections.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import pandas as pd
 from scipy import stats
 
 from optquant.errors import OptquantError
+from optquant.stats import partial_corr
 
 METRICS = ("mmr", "kurtosis", "kurt_rms", "R_L", "sum_A", "sum_B")
 TARGETS = ("d_val_loss", "d_acc")
@@ -89,6 +95,7 @@ def correlate(
     targets: Sequence[str] | None = None,
     *,
     by: str | None = None,
+    control: str | None = None,
     n_boot: int = 2000,
     level: float = 0.95,
     seed: int = 0,
@@ -97,13 +104,15 @@ def correlate(
 
     `data` has one row per model. `metrics`/`targets` default to those of METRICS/TARGETS present.
     `by` (e.g. "size") correlates within each group. Rows with a non-finite value in either column are dropped
-    pairwise.
+    pairwise (for the partial methods, also rows with a non-finite `control`).
     """
     df = data if isinstance(data, pd.DataFrame) else pd.DataFrame(list(data))
     metrics = _columns(df, metrics, METRICS, "metric")
     targets = _columns(df, targets, TARGETS, "target")
     if by is not None and by not in df.columns:
         raise OptquantError(f"correlate: group column {by!r} not in the data")
+    if control is not None and control not in df.columns:
+        raise OptquantError(f"correlate: control column {control!r} not in the data")
     groups = df.groupby(by, sort=True) if by else [(None, df)]
     out = []
     for key, g in groups:
@@ -112,8 +121,18 @@ def correlate(
                 pair = g[[metric, target]].apply(pd.to_numeric, errors="coerce").to_numpy(np.float64)
                 pair = pair[np.isfinite(pair).all(axis=1)]
                 x, y = pair[:, 0], pair[:, 1]
+                group = {by: key[0] if isinstance(key, tuple) else key} if by else {}
                 for method in METHODS:
                     row = {"metric": metric, "target": target, "method": method, "n": len(x)}
                     row.update(_one(x, y, method, n_boot, level, seed))
-                    out.append(({by: key[0] if isinstance(key, tuple) else key} if by else {}) | row)
+                    out.append(group | row)
+                if control is None:
+                    continue
+                cols = g[[metric, target, control]].apply(pd.to_numeric, errors="coerce").to_numpy(np.float64)
+                cols = cols[np.isfinite(cols).all(axis=1)]
+                for method in METHODS:
+                    c = partial_corr(*cols.T, method, n_boot=n_boot, level=level, seed=seed)
+                    row = {"metric": metric, "target": target, "method": f"{method}_partial", "n": c.n,
+                           "r": c.r, "p": c.p, "ci_low": c.lo, "ci_high": c.hi, "boot_degenerate": math.nan}
+                    out.append(group | row)
     return pd.DataFrame(out)

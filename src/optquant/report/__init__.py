@@ -21,9 +21,12 @@ from optquant.report.claims import claims_table
 from optquant.report.html import Section, page
 from optquant.report.load import StudyData, fmt_count, load_study
 from optquant.report.tables import (
+    cl_table,
     correlation_table,
     cost_table,
     fit_diagnostics_table,
+    lr_status_table,
+    outlier_table,
     paper_table,
     paper_values_table,
     table2,
@@ -35,7 +38,7 @@ from optquant.report.tables import (
     to_markdown,
 )
 
-__all__ = ["render_report", "report_markdown"]
+__all__ = ["headline_tables", "render_report", "report_markdown"]
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +57,14 @@ def _fp_section(d: StudyData, fig_dir: Path) -> Section:
     )
     blocks = (
         (table2(d), paper_table(paper.TABLE2_ACC, "paper-t2")),
+        lr_status_table(d),
         curves.fig_lr_sweeps(d, fig_dir),
         curves.fig_training_curves(d, fig_dir),
         (cost_table(d), timing),
     )
-    intro = "Each optimizer's LR sweep per size; the best LR is chosen by final validation loss."
+    intro = ("Each optimizer's LR sweep per size; the best LR is chosen by final validation loss and, where the "
+             "search could not bracket it, listed with the reason. Numbers are mean ± sd [95 % interval] over "
+             "seeds; ranks come with ties where paired tests cannot tell optimizers apart.")
     return Section("fp", "Full-precision baselines (Table 2)", intro, blocks)
 
 
@@ -69,18 +75,23 @@ def _ptq_sections(d: StudyData, fig_dir: Path) -> list[Section]:
         "paper-corr", "Fig. 1 correlations at 760M (vs post-PTQ accuracy)", paper.CORRELATIONS_760M,
         paper.CORRELATIONS_SOURCES, "ρ",
     )  # fmt: skip
-    ptq = ((table3(d, scheme), paper_table(paper.TABLE3_PTQ_ACC, "paper-t3")), table3_schemes(d), *other)
+    ptq = ((table3(d, scheme), paper_table(paper.TABLE3_PTQ_ACC, "paper-t3")), table3_schemes(d), *other, cl_table(d))
+    other_corr = tuple(correlation_table(d, s) for s in d.schemes("cl") if s != scheme)
     outliers = (
+        (correlation_table(d, scheme), corr_paper),
         figures.fig1_damage_vs_metrics(d, fig_dir),
-        (correlation_table(d), corr_paper),
+        outlier_table(d),
         figures.fig2_mmr_vs_lr(d, fig_dir),
+        *other_corr,
     )
     return [
         Section("ptq", "Post-training quantization at the Common Loss (Table 3)",
                 "Every optimizer's model is taken at the first checkpoint reaching the size's common "
                 "validation loss, then quantized; lower Δ val loss means more robust.", ptq),
         Section("outliers", "Outlier metrics vs PTQ damage (Figs. 1–2)",
-                "Do MMR, kurtosis or R_L predict which model is hurt most by quantization?", outliers),
+                "Do MMR, kurtosis or R_L predict which model is hurt most by quantization? Within each size "
+                "over every model with PTQ rows; the largest size is the headline, pooled sizes come last.",
+                outliers),
         Section("abc", "Error propagation: the ABC decomposition (Figs. 3–4)",
                 "R = A + B + C per module: A is the error carried in from earlier layers, B the error this "
                 "module adds, C their interaction; G = A / R_in is the module's gain.",
@@ -143,11 +154,17 @@ def render_report(study_dir: str | Path) -> Path:
     return path
 
 
+def headline_tables(d: StudyData) -> list:
+    """The tables the README pastes, in order; the HTML page shows the same `Table` objects."""
+    scheme = d.paper_scheme() or "w4a4-rtn"
+    return [table2(d), lr_status_table(d), table3(d, scheme), table3_schemes(d), table4(d), outlier_table(d),
+            correlation_table(d, scheme), cl_table(d), table10(d), table10_joint(d), fit_diagnostics_table(d),
+            claims_table(d)]
+
+
 def report_markdown(study_dir: str | Path) -> str:
-    """The headline tables (2, 3, 4, 10) and the claims check as markdown."""
+    """The headline tables (2, LR status, 3, 3b, 4, MMR/R_L, correlations, CL, 10) and the claims as markdown."""
     d = load_study(study_dir)
-    scheme = d.paper_scheme()
-    tables = [table2(d), table3(d, scheme or "w4a4-rtn"), table3_schemes(d), table4(d), table10(d)]
-    tables += [table10_joint(d), fit_diagnostics_table(d), claims_table(d)]
+    tables = headline_tables(d)
     head = f"## optquant study {d.spec.get('name') or d.root.name}\n\n_{CAVEAT}_\n"
     return "\n".join([head, *(to_markdown(t) for t in tables)])

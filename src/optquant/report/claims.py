@@ -1,12 +1,21 @@
-"""The paper's qualitative claims next to what this study's numbers say ("ours agree?").
+"""The paper's qualitative claims, each judged against this study's numbers with its uncertainty.
 
-Each check is computed from the same files as the tables and figures (paper.md §1, §6.2, §7.4–7.5, §10).
-Translation rules, stated in each row: our PTQ damage is Δ val loss (quantized − FP, lower = more robust)
-where the paper uses the accuracy drop; "at most sizes" means more than half of the sizes where the named
-optimizer was run. Verdicts: yes, partly, no, or n/a with the missing input named.
+Each check is computed from the same files as the tables (paper.md §1, §6.2, §7.4–7.5, §10). Our PTQ damage
+is Δ val loss (quantized − FP, lower = more robust) where the paper uses the accuracy drop. A verdict is
+"supported" or "contradicted" only when the data resolve it, otherwise "not resolved at this scale", and
+every verdict names its p-value or interval (optquant.stats):
 
-Left out on purpose: claims about 1.5B-only behaviour and about numbers the paper gives without a
-comparable quantity here (absolute accuracies).
+- "X is best/most robust": paired exact sign-flip tests of X against each other optimizer, pooled over
+  sizes as blocks (units = size × seed), Holm-corrected over those k − 1 comparisons, α = 0.05.
+  Supported: X is significantly better than every other optimizer; contradicted: some optimizer is
+  significantly better than X. (The tables' ranks correct over all k(k − 1)/2 pairs, which with 6
+  optimizers needs ≥ 10 units before any pair can resolve: 2/2^9 > 0.05/15.)
+- correlations: the within-size correlation at the largest size (the paper's setting), with its CI.
+- ρ_4bit order: pairs whose intervals do not overlap.
+"n/a: …" names the missing input. Nothing here is a reproduction: our models are tiny and our score is
+validation loss; "supported" means this study's data agree with the claim at its own scale.
+
+Left out on purpose: claims about 1.5B-only behaviour and about absolute accuracies.
 """
 
 from __future__ import annotations
@@ -18,224 +27,299 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-from optquant.report.load import StudyData, fit_rho4
+from optquant.report.load import StudyData, fit_interval, fit_rho4
 from optquant.report.paper import CLAIMS, RHO_RANKING, Claim
 from optquant.report.tables import Table
+from optquant.stats import (
+    ALPHA,
+    NOT_RESOLVED,
+    PairedTest,
+    Ranking,
+    holm,
+    min_p,
+    rank_with_ties,
+    summarize,
+    verdict,
+)
 
-G1_TOLERANCE = 0.1  # "G₁ ≈ 1" read as median |G₁ − 1| below this, per optimizer
+G1_TOLERANCE = 0.1  # "G₁ ≈ 1" read as the 95 % interval of mean G₁ inside [1 − tol, 1 + tol]
+A_SHARE = 0.8  # "A dominates at almost all modules" read as A ≥ max(B, |C|) at ≥ 80 % of chain modules
 
 
 @dataclass(frozen=True)
 class Check:
     how: str
     ours: str
-    agree: str  # "yes" | "partly" | "no" | "n/a: <why>"
+    verdict: str  # "supported" | "contradicted" | NOT_RESOLVED | "n/a: <why>"
 
 
-def _winners(cells: dict, pick: Callable = min) -> dict[str, str]:
-    """{size: optimizer with the min (or max) value} for sizes with at least two finite values."""
-    by_size: dict[str, list[tuple[float, str]]] = {}
-    for (s, o), v in cells.items():
-        if np.isfinite(v):
-            by_size.setdefault(s, []).append((v, o))
-    return {s: pick(vs)[1] for s, vs in by_size.items() if len(vs) > 1}
+def _na(how: str, why: str, ours: str = "–") -> Check:
+    return Check(how, ours, f"n/a: {why}")
 
 
-def _majority(d: StudyData, winners: dict[str, str], target: str, how: str, what: str) -> Check:
-    sizes = [s for s in d.sizes if s in winners]
-    if not sizes:
-        return Check(how, "–", f"n/a: no {what}")
-    ours = "; ".join(f"{s}: {d.label(winners[s])}" for s in sizes)
-    hits = sum(winners[s] == target for s in sizes)
-    if target not in d.optimizers:
-        return Check(how, ours, f"n/a: {d.label(target)} not in this study")
-    verdict = "yes" if hits > len(sizes) / 2 else ("partly" if hits else "no")
-    return Check(how, ours + f" ({hits}/{len(sizes)} sizes)", verdict)
+def _ranking(d: StudyData, kind: str, metric: str, scheme: str | None = "none", best: bool | None = None,
+             lower_is_better: bool = True) -> Ranking | None:
+    """Ranking pooled over sizes: units (size, seed)."""
+    df = d.seeds(kind, metric, scheme, best)
+    if df["optimizer"].nunique() < 2:
+        return None
+    values = {o: g.set_index(["size", "seed"])["value"] for o, g in df.groupby("optimizer")}
+    return rank_with_ties(values, lower_is_better=lower_is_better)
 
 
-def _by_opt(values: dict[str, float]) -> str:
-    return ", ".join(f"{o} {v:.3g}" for o, v in sorted(values.items(), key=lambda x: -x[1]))
+def _pair_text(d: StudyData, r: Ranking, a: str, b: str) -> str:
+    key, sign = ((a, b), 1.0) if (a, b) in r.pairs else ((b, a), -1.0)
+    t, p = r.pairs[key]
+    lo, hi = sorted((sign * t.lo, sign * t.hi))
+    return f"{d.label(a)} − {d.label(b)} = {sign * t.mean_diff:+.3g} [{lo:+.3g}, {hi:+.3g}], p_Holm={p:.2g}"
+
+
+def _best_of(d: StudyData, r: Ranking | None, target: str, how: str, what: str) -> Check:
+    """Is `target` significantly better than every other optimizer? The family is the k − 1 comparisons of
+    `target` with the others (Holm over those), the hypotheses the claim makes; the ranks shown are the
+    table's, Holm over all pairs."""
+    if r is None:
+        return _na(how, f"no {what} for two optimizers")
+    if target not in r.rank:
+        return _na(how, f"{d.label(target)} not in this study")
+    others = [o for o in r.rank if o != target]
+    tests = {o: r.pairs[(target, o)][0] if (target, o) in r.pairs else _flip(r.pairs[(o, target)][0]) for o in others}
+    adj = dict(zip(others, holm([tests[o].p for o in others]), strict=True))
+    sign = 1.0 if r.lower_is_better else -1.0
+    better = {o: adj[o] < ALPHA and sign * tests[o].mean_diff < 0 for o in others}
+    worse = {o: adj[o] < ALPHA and sign * tests[o].mean_diff > 0 for o in others}
+    ours = "; ".join(f"{d.label(target)} − {d.label(o)} = {tests[o].mean_diff:+.3g} [{tests[o].lo:+.3g}, "
+                     f"{tests[o].hi:+.3g}], p_Holm={adj[o]:.2g}" for o in others)  # fmt: skip
+    ours += f" (n={r.n_units} size×seed units, smallest attainable p {min_p(r.n_units):.2g})"
+    return Check(how, ours, verdict(all(better.values()), any(worse.values())))
+
+
+def _flip(t: PairedTest) -> PairedTest:
+    return PairedTest(-t.mean_diff, t.p, -t.hi, -t.lo, t.n, t.min_p)
+
+
+def _rank_how(what: str) -> str:
+    return f"{what}; paired exact sign-flip tests pooled over sizes (units size×seed), Holm, α = {ALPHA}"
 
 
 # ---------------------------------------------------------------- checks
 def _fp_best(d: StudyData) -> Check:
-    w = _winners(d.cell("fp", "final_val_loss", best=True))
-    return _majority(d, w, "muon", "lowest best-LR final val loss per size", "best-LR runs")
+    r = _ranking(d, "fp", "final_val_loss", best=True)
+    return _best_of(d, r, "muon", _rank_how("best-LR final val loss, Muon lowest"), "best-LR runs")
 
 
 def _mmr_lr(d: StudyData) -> Check:
-    how = "sign of Spearman(lr, MMR) per (optimizer, size) with ≥ 2 LRs"
-    for kind in ("fp", "cl"):
-        df = d.rows(kind, "mmr")
-        pairs = [(k, g) for k, g in df.groupby(["optimizer", "size"]) if g["lr"].nunique() >= 2]
-        if pairs:
-            rising = sum(stats.spearmanr(g["lr"], g["value"]).statistic > 0 for _, g in pairs)
-            ours = f"MMR rises with LR in {rising}/{len(pairs)} pairs (kind={kind})"
-            return Check(how, ours, "yes" if rising == len(pairs) else ("partly" if rising else "no"))
-    return Check(how, "–", "n/a: MMR was not measured at several LRs of one optimizer and size")
+    how = "sign of Spearman(lr, MMR) per (optimizer, size) with ≥ 2 LRs; two-sided sign test on the count"
+    df = d.rows("fp", "mmr")
+    pairs = [g for _, g in df.groupby(["optimizer", "size"]) if g["lr"].nunique() >= 2]
+    rs = [stats.spearmanr(g["lr"], g["value"]).statistic for g in pairs]
+    rs = [x for x in rs if np.isfinite(x) and x != 0]
+    if not rs:
+        return _na(how, "MMR was not measured at several LRs of one optimizer and size")
+    k, m = sum(x > 0 for x in rs), len(rs)
+    p = stats.binomtest(k, m).pvalue
+    return Check(how, f"MMR rises with LR in {k}/{m} (optimizer, size) pairs, sign test p={p:.2g}",
+                 verdict(k > m / 2 and p < ALPHA, k < m / 2 and p < ALPHA))  # fmt: skip
 
 
 def _mmr_low(d: StudyData) -> Check:
-    w = _winners(d.cell("cl", "mmr"))
-    return _majority(d, w, "muon", "lowest MMR of the CL models per size", "MMR rows")
+    r = _ranking(d, "cl", "mmr")
+    return _best_of(d, r, "muon", _rank_how("MMR (per-token) of the CL models, Muon lowest"), "MMR rows")
 
 
-def _ptq(d: StudyData, pick: Callable, target: str) -> Check:
+def _ptq(d: StudyData, lower: bool, target: str) -> Check:
     scheme = d.paper_scheme()
-    how = f"{'smallest' if pick is min else 'largest'} Δ val loss under {scheme} per size"
+    how = _rank_how(f"Δ val loss under {scheme} of the CL models, {d.label(target)} "
+                    f"{'smallest' if lower else 'largest'}")  # fmt: skip
     if scheme is None:
-        return Check(how, "–", "n/a: no PTQ rows")
-    return _majority(d, _winners(d.cell("cl", "delta_val_loss", scheme), pick), target, how, "Δ val loss rows")
+        return _na(how, "no PTQ rows")
+    return _best_of(d, _ranking(d, "cl", "delta_val_loss", scheme, lower_is_better=lower), target, how,
+                    "Δ val loss rows")  # fmt: skip
 
 
-def _corr(d: StudyData) -> tuple[dict[str, float], str] | None:
+def _corr_rows(d: StudyData, size: str) -> dict | None:
     c, scheme = d.correlations, d.paper_scheme()
-    if c is None or c.empty or scheme is None:
+    if c is None or c.empty or scheme is None or "pearson_p" not in c:
         return None
-    c = c[(c["scheme"] == scheme) & (c["target"] == "delta_val_loss")]
-    for size in ("all", d.largest()):
-        sub = c[c["size"].astype(str) == size]
-        r = {str(m): float(v) for m, v in zip(sub["metric"], sub["pearson"], strict=True)}
-        if {"mmr", "kurtosis", "R_L"} <= set(r):
-            return r, f"size {size}, n={int(sub['n'].max())}"
-    return None
+    c = c[(c["scheme"] == scheme) & (c["target"] == "delta_val_loss") & (c["size"].astype(str) == size)]
+    return {str(x.metric): x for x in c.itertuples()} or None
 
 
 def _rl_predicts(d: StudyData) -> Check:
-    how = "|Pearson| with Δ val loss: R_L vs MMR and kurtosis; R_L should be positive (more error, more damage)"
-    got = _corr(d)
-    if got is None:
-        return Check(how, "–", "n/a: no correlations for mmr, kurtosis and R_L")
-    r, where = got
-    ours = f"MMR {r['mmr']:+.2f}, kurtosis {r['kurtosis']:+.2f}, R_L {r['R_L']:+.2f} ({where})"
-    if not all(math.isfinite(v) for v in r.values()):
-        return Check(how, ours, "n/a: undefined correlation")
-    best = abs(r["R_L"]) > max(abs(r["mmr"]), abs(r["kurtosis"]))
-    return Check(how, ours, "yes" if best and r["R_L"] > 0 else ("partly" if best else "no"))
+    how = ("within-size Pearson with Δ val loss at the largest size: R_L positive (p < 0.05) and its CI above "
+           "|r| of MMR and kurtosis; contradicted if R_L's CI lies below their |r|")
+    size = d.largest()
+    rows = _corr_rows(d, size) if size else None
+    if rows is None or not {"R_L", "mmr", "kurtosis"} <= set(rows):
+        return _na(how, "no within-size correlations for mmr, kurtosis and R_L")
+
+    def txt(m: str) -> str:
+        x = rows[m]
+        if not math.isfinite(x.pearson):
+            return f"{m} undefined"
+        return f"{m} {x.pearson:+.2f} [{x.pearson_lo:+.2f}, {x.pearson_hi:+.2f}] p={x.pearson_p:.2g}"
+
+    rl = rows["R_L"]
+    ours = f"{size}, n={int(rl.n)}: " + "; ".join(txt(m) for m in ("R_L", "mmr", "kurtosis"))
+    pooled = _corr_rows(d, "pooled")
+    if pooled and "R_L" in pooled:
+        ours += f" · pooled (all sizes, n={int(pooled['R_L'].n)}): R_L {pooled['R_L'].pearson:+.2f}"
+    if not all(math.isfinite(rows[m].pearson) for m in ("R_L", "mmr", "kurtosis")):
+        return Check(how, ours, NOT_RESOLVED)
+    rival = max(abs(rows["mmr"].pearson), abs(rows["kurtosis"].pearson))
+    ok = rl.pearson > 0 and rl.pearson_p < ALPHA and rl.pearson_lo > rival
+    bad = rl.pearson_hi < rival or (rl.pearson < 0 and rl.pearson_p < ALPHA)
+    return Check(how, ours, verdict(ok, bad))
+
+
+def _propagation_shares(d: StudyData) -> tuple[str, dict[str, list[float]]] | None:
+    """Share of chain modules (after the first) where A ≥ max(B, |C|), per CL model at the largest size
+    with propagation files under the paper's scheme, all seeds."""
+    scheme = d.paper_scheme()
+    if scheme is None:
+        return None
+    r = d.results
+    for size in reversed(d.sizes):
+        cl = r[(r["kind"] == "cl") & (r["size"] == size)].drop_duplicates("run_id")
+        share: dict[str, list[float]] = {}
+        for x in cl.itertuples():
+            df = d.propagation(x.run_id, scheme)
+            if df is None:
+                continue
+            ch = df[df["kind"] != "linear"].sort_values("index").iloc[1:]
+            if len(ch):
+                share.setdefault(x.optimizer, []).append(float((ch["A"] >= np.maximum(ch["B"], ch["C"].abs())).mean()))
+        if share:
+            return f"{size}, {scheme}", share
+    return None
 
 
 def _a_dominates(d: StudyData) -> Check:
-    how = "share of chain modules (after the first) with A ≥ max(B, |C|); yes if ≥ 80 % for every optimizer"
-    got = d.propagation_set()
+    how = (f"per CL model: share of chain modules (after the first) with A ≥ max(B, |C|); supported if ≥ "
+           f"{A_SHARE:.0%} in every model, contradicted if an optimizer's mean share is below 50 %")
+    got = _propagation_shares(d)
     if got is None:
-        return Check(how, "–", "n/a: no propagation.parquet files")
-    size, scheme, frames = got
-    share = {}
-    for o, df in frames.items():
-        ch = df[df["kind"] != "linear"].sort_values("index").iloc[1:]
-        if len(ch):
-            share[d.label(o)] = float((ch["A"] >= np.maximum(ch["B"], ch["C"].abs())).mean())
-    if not share:
-        return Check(how, "–", "n/a: no chain modules")
-    ours = f"{size}, {scheme}: " + ", ".join(f"{o} {v:.0%}" for o, v in share.items())
-    low = min(share.values())
-    return Check(how, ours, "yes" if low >= 0.8 else ("partly" if low >= 0.5 else "no"))
-
-
-def _linear_rows(d: StudyData) -> tuple[str, dict[str, object]] | None:
-    got = d.propagation_set()
-    if got is None:
-        return None
-    size, scheme, frames = got
-    lin = {o: df[df["kind"] == "linear"] for o, df in frames.items()}
-    lin = {o: df for o, df in lin.items() if len(df)}
-    return (f"{size}, {scheme}", lin) if lin else None
+        return _na(how, "no propagation.parquet files")
+    where, share = got
+    ours = f"{where}: " + ", ".join(f"{d.label(o)} {summarize(v).text(2)}" for o, v in share.items())
+    allv = [x for v in share.values() for x in v]
+    return Check(how, ours, verdict(min(allv) >= A_SHARE, min(np.mean(v) for v in share.values()) < 0.5))
 
 
 def _g1_one(d: StudyData) -> Check:
-    how = f"median |G₁ − 1| over linear layers below {G1_TOLERANCE} for every optimizer"
-    got = _linear_rows(d)
-    if got is None:
-        return Check(how, "–", "n/a: no linear-layer rows in propagation.parquet")
-    where, lin = got
-    dev = {d.label(o): float(np.nanmedian(np.abs(df["G1"] - 1.0))) for o, df in lin.items()}
-    dev = {o: v for o, v in dev.items() if np.isfinite(v)}
-    if not dev:
-        return Check(how, where, "n/a: G1 is NaN everywhere")
-    ours = f"{where}: " + ", ".join(f"{o} {v:.3f}" for o, v in dev.items())
-    ok = sum(v < G1_TOLERANCE for v in dev.values())
-    return Check(how, ours, "yes" if ok == len(dev) else ("partly" if ok else "no"))
+    scheme = d.paper_scheme()
+    how = (f"mean G₁ over linear layers per CL model; supported if every optimizer's 95 % interval lies in "
+           f"[{1 - G1_TOLERANCE:g}, {1 + G1_TOLERANCE:g}], contradicted if one lies outside it")
+    df = d.seeds("cl", "mean_G1", scheme) if scheme else None
+    if df is None or df.empty:
+        return _na(how, "no mean_G1 rows")
+    per = {o: summarize(g["value"]) for o, g in df.groupby("optimizer")}
+    ours = f"{scheme}, all sizes: " + ", ".join(f"{d.label(o)} {s.text(3)}" for o, s in per.items())
+    lo, hi = 1 - G1_TOLERANCE, 1 + G1_TOLERANCE
+    inside = all(s.n > 1 and lo <= s.lo and s.hi <= hi for s in per.values())
+    outside = any(s.n > 1 and (s.hi < lo or s.lo > hi) for s in per.values())
+    return Check(how, ours, verdict(inside, outside))
 
 
 def _gain_rank(d: StudyData) -> Check:
-    how = "mean gain G over linear layers: Muon highest, AdamW and Shampoo the two lowest"
-    got = _linear_rows(d)
-    if got is None:
-        return Check(how, "–", "n/a: no linear-layer rows in propagation.parquet")
-    where, lin = got
-    g = {o: float(np.nanmean(df["G"])) for o, df in lin.items()}
-    g = {o: v for o, v in g.items() if np.isfinite(v)}
-    if len(g) < 3 or not {"muon", "adamw", "shampoo"} <= set(g):
-        return Check(how, f"{where}: {_by_opt(g)}", "n/a: needs Muon, AdamW, Shampoo and ≥ 3 optimizers")
-    order = sorted(g, key=g.get)
-    top, bottom = order[-1] == "muon", set(order[:2]) == {"adamw", "shampoo"}
-    verdict = "yes" if top and bottom else ("partly" if top or bottom else "no")
-    return Check(how, f"{where}: " + _by_opt({d.label(o): v for o, v in g.items()}), verdict)
+    scheme = d.paper_scheme()
+    how = _rank_how("mean linear-layer gain G of the CL models: Muon highest, AdamW and Shampoo lowest")
+    r = _ranking(d, "cl", "mean_gain", scheme, lower_is_better=False) if scheme else None
+    if r is None or not {"muon", "adamw", "shampoo"} <= set(r.rank):
+        return _na(how, "needs mean_gain rows of Muon, AdamW and Shampoo")
+    low, rest = ("adamw", "shampoo"), [o for o in r.rank if o not in ("adamw", "shampoo")]
+    top = all(r.better("muon", o) for o in r.rank if o != "muon")
+    bottom = all(r.better(o, lo) for lo in low for o in rest)
+    bad = any(r.better(o, "muon") for o in r.rank) or any(r.better(lo, o) for lo in low for o in rest)
+    ours = ", ".join(f"{d.label(o)} rank {r.label(o)}" for o in sorted(r.rank, key=r.rank.get))
+    return Check(how, ours + f" (n={r.n_units} units, higher gain ranks first)", verdict(top and bottom, bad))
 
 
 def _qat_least(d: StudyData) -> Check:
-    w = _winners(d.cell("qat", "qat_rel_degradation_pct", scheme=None))
-    return _majority(d, w, "shampoo", "smallest relative QAT val-loss gap per size", "QAT rows")
+    r = _ranking(d, "qat", "qat_rel_degradation_pct", None)
+    return _best_of(d, r, "shampoo", _rank_how("relative QAT val-loss gap, Shampoo smallest"), "QAT rows")
+
+
+def _sole_best(r: Ranking) -> str | None:
+    for o in r.rank:
+        if all(r.better(o, x) for x in r.rank if x != o):
+            return o
+    return None
 
 
 def _qat_not_fp(d: StudyData) -> Check:
-    how = "per size: optimizer with the lowest FP loss vs the lowest QAT loss"
-    fp = _winners(d.cell("fp", "final_val_loss", best=True))
-    qat = _winners(d.cell("qat", "final_val_loss", scheme=None))
-    sizes = [s for s in d.sizes if s in fp and s in qat]
-    if not sizes:
-        return Check(how, "–", "n/a: needs FP and QAT runs at one size")
-    ours = "; ".join(f"{s}: FP {d.label(fp[s])}, QAT {d.label(qat[s])}" for s in sizes)
-    differ = sum(fp[s] != qat[s] for s in sizes)
-    return Check(how, ours, "yes" if differ > len(sizes) / 2 else ("partly" if differ else "no"))
+    how = _rank_how("the significantly best FP optimizer is significantly beaten under QAT (final val loss)")
+    fp = _ranking(d, "fp", "final_val_loss", best=True)
+    qat = _ranking(d, "qat", "final_val_loss", None)
+    if fp is None or qat is None:
+        return _na(how, "needs FP and QAT runs of two optimizers")
+    best = _sole_best(fp)
+    if best is None or best not in qat.rank:
+        ours = "no optimizer is significantly best in FP: " + ", ".join(f"{d.label(o)} {fp.label(o)}" for o in fp.rank)
+        return Check(how, ours, NOT_RESOLVED)
+    beaten = [o for o in qat.rank if qat.better(o, best)]
+    ours = f"FP best: {d.label(best)}; QAT: " + "; ".join(_pair_text(d, qat, best, o) for o in qat.rank if o != best)
+    return Check(how, ours, verdict(bool(beaten), _sole_best(qat) == best))
 
 
-def _rhos(d: StudyData) -> dict[str, float]:
+def _rho_iv(d: StudyData) -> dict[str, tuple[float, float, float]]:
     per = (d.fits or {}).get("per_optimizer") or {}
-    rho = {o: fit_rho4(f.get("rho")) for o, f in per.items()}
-    return {o: v for o, v in rho.items() if math.isfinite(v)}
+    out = {}
+    for o, f in per.items():
+        rho = fit_rho4(f.get("rho"))
+        lo, hi = fit_interval(f.get("intervals"), "rho_4bit", "rho")
+        if math.isfinite(rho):
+            out[o] = (rho, lo, hi)
+    return out
 
 
 def _rho_rank(d: StudyData) -> Check:
-    how = "our ρ_4bit order vs the paper's, over the optimizers in both (Spearman)"
-    rho = {o: v for o, v in _rhos(d).items() if o in RHO_RANKING}
+    how = ("ρ_4bit order vs the paper's: supported if every adjacent pair in the paper's order has disjoint "
+           "intervals in that order, contradicted if any pair has disjoint intervals in the reverse order")
+    rho = {o: v for o, v in _rho_iv(d).items() if o in RHO_RANKING}
     if len(rho) < 2:
-        return Check(how, "–", "n/a: fewer than two fitted optimizers")
-    ours_order = sorted(rho, key=lambda o: -rho[o])
-    paper_order = [o for o in RHO_RANKING if o in rho]
-    rs = stats.spearmanr([paper_order.index(o) for o in rho], [ours_order.index(o) for o in rho]).statistic
-    ours = " > ".join(d.label(o) for o in ours_order) + f" (Spearman {rs:+.2f})"
-    return Check(how, ours, "yes" if ours_order == paper_order else ("partly" if rs > 0 else "no"))
+        return _na(how, "fewer than two fitted optimizers")
+    order = [o for o in RHO_RANKING if o in rho]
+    ours = " > ".join(f"{d.label(o)} {rho[o][0]:.3f} [{rho[o][1]:.3f}, {rho[o][2]:.3f}]"
+                      for o in sorted(rho, key=lambda o: -rho[o][0]))  # fmt: skip
+    above = {(a, b): rho[a][1] > rho[b][2] for a in rho for b in rho if a != b}  # a's interval above b's
+    ok = all(above[(a, b)] for a, b in zip(order, order[1:], strict=False))
+    bad = any(above[(b, a)] for i, a in enumerate(order) for b in order[i + 1:])
+    return Check(how, ours, verdict(ok, bad))
 
 
 def _ptq_qat_link(d: StudyData) -> Check:
-    how = "Spearman over optimizers of mean Δ val loss (PTQ, all sizes) vs ρ_4bit; expected negative"
-    rho, scheme = _rhos(d), d.paper_scheme()
-    dl = d.cell("cl", "delta_val_loss", scheme) if scheme else {}
-    mean_dl = {o: float(np.mean([v for (s, p), v in dl.items() if p == o])) for o in rho if any(p == o for _, p in dl)}
+    how = "Spearman over optimizers of mean Δ val loss (PTQ, CL models, all sizes) vs ρ_4bit; expected negative"
+    rho, scheme = _rho_iv(d), d.paper_scheme()
+    df = d.seeds("cl", "delta_val_loss", scheme) if scheme else None
+    if df is None or df.empty:
+        return _na(how, "no PTQ damage rows")
+    mean_dl = {o: float(g["value"].mean()) for o, g in df.groupby("optimizer") if o in rho}
     if len(mean_dl) < 3:
-        return Check(how, "–", "n/a: needs PTQ damage and ρ_4bit for ≥ 3 optimizers")
-    r = stats.spearmanr([mean_dl[o] for o in mean_dl], [rho[o] for o in mean_dl]).statistic
-    return Check(how, f"Spearman {r:+.2f} over {len(mean_dl)} optimizers", "yes" if r < 0 else "no")
+        return _na(how, "needs PTQ damage and ρ_4bit for ≥ 3 optimizers")
+    res = stats.spearmanr([mean_dl[o] for o in mean_dl], [rho[o][0] for o in mean_dl])
+    ours = f"Spearman {res.statistic:+.2f}, p={res.pvalue:.2g} over {len(mean_dl)} optimizers"
+    return Check(how, ours, verdict(res.statistic < 0 and res.pvalue < ALPHA, res.statistic > 0 and res.pvalue < ALPHA))
 
 
 def _shampoo_cost(d: StudyData) -> Check:
-    how = "Shampoo / AdamW mean step time at the largest size with both"
-    t = d.cell("fp", "mean_step_seconds")
-    sizes = [s for s in d.sizes if (s, "shampoo") in t and (s, "adamw") in t]
-    if not sizes:
-        return Check(how, "–", "n/a: needs timed Shampoo and AdamW runs")
-    s = sizes[-1]
+    how = _rank_how("mean step time of the best-LR runs, Shampoo vs AdamW")
+    r = _ranking(d, "fp", "mean_step_seconds", best=True)
+    if r is None or not {"shampoo", "adamw"} <= set(r.rank):
+        return _na(how, "needs timed Shampoo and AdamW runs")
+    t = d.cell("fp", "mean_step_seconds", best=True)
+    s = [x for x in d.sizes if (x, "shampoo") in t and (x, "adamw") in t][-1]
     ratio = t[(s, "shampoo")] / t[(s, "adamw")]
-    return Check(how, f"{s}: {ratio:.2f}× (paper 760M: 1.33×)", "yes" if ratio > 1 else "no")
+    ours = _pair_text(d, r, "shampoo", "adamw") + f"; {s}: {ratio:.2f}× (paper 760M: 1.33×)"
+    return Check(how, ours, verdict(r.better("adamw", "shampoo"), r.better("shampoo", "adamw")))
 
 
 _CHECKS: dict[str, Callable[[StudyData], Check]] = {
     "fp_best": _fp_best,
     "mmr_lr": _mmr_lr,
     "mmr_low": _mmr_low,
-    "ptq_least": lambda d: _ptq(d, min, "shampoo"),
-    "ptq_most": lambda d: _ptq(d, max, "muon"),
+    "ptq_least": lambda d: _ptq(d, True, "shampoo"),
+    "ptq_most": lambda d: _ptq(d, False, "muon"),
     "rl_predicts": _rl_predicts,
     "a_dominates": _a_dominates,
     "g1_one": _g1_one,
@@ -253,10 +337,12 @@ def check_claims(d: StudyData) -> dict[str, tuple[Claim, Check]]:
 
 
 def claims_table(d: StudyData) -> Table:
-    rows = tuple((c.text, c.sources, k.how, k.ours, k.agree) for c, k in check_claims(d).values())
+    rows = tuple((c.text, c.sources, k.how, k.ours, k.verdict) for c, k in check_claims(d).values())
     caption = (
-        "Paper claims from reference/paper.md §1, §6.2, §7.4–7.5, §10. Our models are tiny and our damage "
-        "measure is validation loss, so agreement here is suggestive, not a replication."
+        "Paper claims from reference/paper.md §1, §6.2, §7.4–7.5, §10, each judged with its p-value or "
+        f"interval: supported, contradicted, or {NOT_RESOLVED} when the data cannot tell. Our models are tiny "
+        "and our damage measure is validation loss, so a supported claim is agreement at this scale, not a "
+        "reproduction of the paper."
     )
-    cols = ("paper claim", "source", "how we check", "ours", "ours agree?")
+    cols = ("paper claim", "source", "how we check", "ours", "verdict")
     return Table("claims", "Paper claims vs this study", cols, rows, caption)

@@ -13,7 +13,8 @@ import numpy as np
 import pandas as pd
 
 from optquant.report.figures import Plot, grid, log_axis, missing, optimizer_legend, save
-from optquant.report.load import StudyData, fit_rho4, fmt_count, fmt_lr, predict_loss
+from optquant.report.load import StudyData, fit_rho4, fmt_count, fmt_lr
+from optquant.scaling import LawFit, predict
 
 
 def fig_scaling(d: StudyData, out: Path) -> Plot:
@@ -34,11 +35,11 @@ def fig_scaling(d: StudyData, out: Path) -> Plot:
             if len(g):
                 ax.scatter(g.index, g.values, color=c, marker=mk, s=36, label=lab)
         if o in per:
-            f = per[o]
-            ax.plot(ns, predict_loss(f, ns), color=c, lw=1.2, label="fit, FP (ρ = 1)")
-            rho = fit_rho4(f.get("rho"))
+            f = LawFit.from_dict(per[o])
+            ax.plot(ns, predict(f, ns), color=c, lw=1.2, label="fit, FP (ρ = 1)")
+            rho = fit_rho4(f.rho)
             if np.isfinite(rho):
-                ax.plot(ns, predict_loss(f, ns, rho), color=c, lw=1.2, ls="--", label=f"fit, QAT (ρ = {rho:.3f})")
+                ax.plot(ns, predict(f, ns, True), color=c, lw=1.2, ls="--", label=f"fit, QAT (ρ = {rho:.3f})")
         log_axis(ax, "x", fmt_count)
         ax.set_xlim(ns[0], ns[-1])
         ax.set_title(d.label(o), fontsize=9, color=c)

@@ -97,7 +97,7 @@ def _corr_text(d: StudyData, scheme: str, metric: str) -> str:
     if c is None or c.empty:
         return "no correlations.parquet"
     lines = []
-    for size in ("all", d.largest()):
+    for size in (d.largest(), "pooled"):
         r = c[(c["scheme"] == scheme) & (c["metric"] == metric) & (c["target"] == "delta_val_loss")]
         r = r[r["size"].astype(str) == size]
         if len(r):
@@ -112,12 +112,11 @@ def fig1_damage_vs_metrics(d: StudyData, out: Path) -> Plot:
     scheme = d.paper_scheme()
     if scheme is None:
         return missing("fig1", title, "no PTQ rows (kind=cl with a scheme)")
-    damage = d.rows("cl", "delta_val_loss", scheme).set_index("run_id")["value"].rename("damage")
-    cols = {
-        "mmr": d.rows("cl", "mmr"),
-        "kurtosis": d.rows("cl", "kurtosis"),
-        "R_L": d.rows("cl", "R_L", scheme),
-    }
+    def both(metric: str, sch: str = "none") -> pd.DataFrame:  # FP sweep runs and CL models
+        return pd.concat([d.rows("fp", metric, sch), d.rows("cl", metric, sch)])
+
+    damage = both("delta_val_loss", scheme).set_index("run_id")["value"].rename("damage")
+    cols = {"mmr": both("mmr"), "kurtosis": both("kurtosis"), "R_L": both("R_L", scheme)}
     df = damage.to_frame()
     for m, rows in cols.items():
         df = df.join(rows.set_index("run_id")["value"].rename(m), how="left")
@@ -140,9 +139,10 @@ def fig1_damage_vs_metrics(d: StudyData, out: Path) -> Plot:
     axes[0].set_ylabel(f"Δ val loss ({scheme})")
     optimizer_legend(fig, d, [o for o in d.optimizers if o in set(df["optimizer"])], sizes)
     caption = (
-        f"From results.parquet kind=cl: delta_val_loss and R_L at scheme={scheme}, mmr and kurtosis at "
-        f"scheme=none; {len(df)} CL models (colour: optimizer, marker: size). Titles: correlations.parquet "
-        "rows with target=delta_val_loss (all sizes, and the largest size). The paper correlates with "
+        f"From results.parquet kind=fp and kind=cl: delta_val_loss and R_L at scheme={scheme}, mmr and kurtosis "
+        f"at scheme=none; {len(df)} models, FP sweep runs and CL models (colour: optimizer, marker: size). "
+        "Titles: correlations.parquet rows with target=delta_val_loss (the largest size, then pooled over "
+        "sizes). The paper correlates with "
         "post-PTQ accuracy at 760M (MMR 0.62, kurtosis 0.70, R_L −0.89), so its signs are the reverse "
         "of ours."
     )

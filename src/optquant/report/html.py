@@ -38,7 +38,9 @@ _TEXT_COLUMNS = {
     "paper claim",
     "source",
 }
-_TEXT_COLUMNS |= {"how we check", "ours", "fit notes", "ours agree?"}
+_TEXT_COLUMNS |= {"how we check", "ours", "fit notes", "verdict", "status", "reason"}
+
+_VERDICT_CLASS = {"supported": "yes", "contradicted": "no", "not resolved at this scale": "partly"}
 
 CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;max-width:1180px;margin:0 auto;
@@ -101,8 +103,8 @@ def table_html(t: Table) -> str:
             names = ["t"] if text[j] else []
             if (i, j) in t.bold:
                 names.append("best")
-            if t.columns[j] == "ours agree?":
-                names.append({"yes": "yes", "no": "no", "partly": "partly"}.get(v.split(":")[0], "na"))
+            if t.columns[j] == "verdict":
+                names.append(_VERDICT_CLASS.get(v, "na"))
             cells.append(f"<td{_cls(' '.join(names))}>{e(v)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     cap = f'<p class="cap">{e(t.caption)}</p>' if t.caption else ""

@@ -3,9 +3,12 @@
 Why a loader of its own: the report must rebuild from a finished study directory without retraining, and a
 study may be partial (no QAT, no fits). Each optional input loads as empty/None and the section that needs it
 says "not run in this study". Files read: study.json, results.parquet (long table, one row per run × scheme
-× metric), correlations.parquet, fits.json, ptq/<run_id>/<scheme>/{propagation,outliers}.parquet and
-runs/<run_id>/metrics.jsonl. fits.json is accepted both as `optquant.scaling` `to_dict` output (ρ as
-{"4bit": x}, interval names "rho_4bit", "rho_4bit/<opt>") and as plain numbers (ρ: x, interval "rho").
+× metric), correlations.parquet, fits.json, best.json (the LR search's status per optimizer/size),
+runs/<run_id>/ptq/cl/<scheme>/propagation.parquet and runs/<run_id>/metrics.jsonl. fits.json is
+`optquant.scaling` `to_dict` output (ρ as {"4bit": x}, interval names "rho_4bit", "rho_4bit/<opt>").
+
+Seeds: `seeds` gives one value per (size, optimizer, seed), the unit every interval and paired test of
+the report uses (optquant.stats).
 
 Left out on purpose: schema migrations; a missing required column is an error, not a guess.
 """
@@ -60,6 +63,7 @@ class StudyData:
     results: pd.DataFrame
     correlations: pd.DataFrame | None
     fits: dict | None
+    best: dict | None = None  # best.json: "<optimizer>/<size>" -> best_lr, status, reason, ...
 
     # ---------------------------------------------------------------- row selection
     def rows(self, kind: str, metric: str, scheme: str | None = "none", best: bool | None = None) -> pd.DataFrame:
@@ -77,6 +81,14 @@ class StudyData:
         if df.empty:
             return {}
         return {k: float(v) for k, v in df.groupby(["size", "optimizer"])["value"].mean().items()}
+
+    def seeds(self, kind: str, metric: str, scheme: str | None = "none", best: bool | None = None) -> pd.DataFrame:
+        """Columns size, optimizer, seed, value: one value per seed (a mean if a seed has several runs)."""
+        df = self.rows(kind, metric, scheme, best)
+        df = df[np.isfinite(df["value"].to_numpy(dtype=float))]
+        if df.empty:
+            return pd.DataFrame(columns=["size", "optimizer", "seed", "value"])
+        return df.groupby(["size", "optimizer", "seed"], as_index=False)["value"].mean()
 
     def has(self, kind: str, metric: str | None = None) -> bool:
         r = self.results
@@ -113,9 +125,8 @@ class StudyData:
 
     # ---------------------------------------------------------------- per-run files
     def propagation_path(self, run_id: str, scheme: str) -> Path:
-        """Where `optquant analyze` wrote a CL model's ABC rows (an older flat layout is also read)."""
-        path = self.root / "runs" / run_id / "ptq" / "cl" / scheme / "propagation.parquet"
-        return path if path.is_file() else self.root / "ptq" / run_id / scheme / "propagation.parquet"
+        """Where `optquant analyze` wrote a CL model's ABC rows."""
+        return self.root / "runs" / run_id / "ptq" / "cl" / scheme / "propagation.parquet"
 
     def propagation(self, run_id: str, scheme: str) -> pd.DataFrame | None:
         return _one_norm(_read_parquet(self.propagation_path(run_id, scheme)))
@@ -179,6 +190,7 @@ def load_study(study_dir: str | Path) -> StudyData:
         results=results,
         correlations=_read_parquet(root / "correlations.parquet"),
         fits=_read_json(root / "fits.json"),
+        best=_read_json(root / "best.json"),
     )
 
 
@@ -238,11 +250,6 @@ def fit_interval(intervals: dict | None, *names: str) -> tuple[float, float]:
         if v is not None and len(v) == 2:
             return tuple(math.nan if b is None else float(b) for b in v)  # type: ignore[return-value]
     return (math.nan, math.nan)
-
-
-def predict_loss(fit: dict, n: np.ndarray, rho: float = 1.0) -> np.ndarray:
-    """L̂ = A/(N·ρ)^α + E (paper.md §9) from a fits.json entry."""
-    return float(fit["A"]) / (np.asarray(n, dtype=float) * rho) ** float(fit["alpha"]) + float(fit["E"])
 
 
 # ---------------------------------------------------------------- formatting

@@ -6,19 +6,24 @@ table's caption names the file and the rows it was made from; a table with nothi
 average zero-shot accuracy (higher is better); the paper's own numbers are separate tables built by
 `paper_table` and styled apart (paper.md §10).
 
-Left out on purpose: significance tests between optimizers (single seeds), and re-deriving the paper's
-accuracy numbers from ours.
+Every headline number is mean ± sd [95 % t-interval] (n seeds) and every ranking is a ranking with ties
+from paired sign-flip tests (optquant.stats): per size over seeds, and pooled over sizes as blocks.
+
+Left out on purpose: re-deriving the paper's accuracy numbers from ours.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+import pandas as pd
 
 from optquant.report.load import StudyData, fit_interval, fit_rho4, fmt, fmt_bytes, fmt_ci, fmt_lr
 from optquant.report.paper import LABELS, PaperGrid
+from optquant.stats import ALPHA, NOT_RESOLVED, Ranking, min_p, rank_with_ties, summarize
 
 NOT_RUN = "not run in this study"
 
@@ -50,116 +55,212 @@ def _argmin_cols(vals: list[float], offset: int, row: int) -> set[tuple[int, int
     return set() if j is None else {(row, j + offset)}
 
 
-def _seed_note(d: StudyData, kind: str, metric: str, best: bool | None) -> str:
-    df = d.rows(kind, metric, "none", best)
-    k = int(df.groupby(["size", "optimizer"])["seed"].nunique().max()) if not df.empty else 1
-    return f" Values are means over up to {k} seeds." if k > 1 else ""
+@dataclass(frozen=True)
+class Quantity:
+    """One column group of a seed table: a metric's rows, how to show it, which way is better."""
+
+    label: str
+    kind: str
+    metric: str
+    scheme: str | None = "none"
+    best: bool | None = None
+    lower_is_better: bool = True
+    digits: int = 4
+    signed: bool = False
+
+
+def _ranks(df: pd.DataFrame, q: Quantity) -> tuple[dict[str, Ranking], Ranking | None]:
+    """Per-size rankings (units: seeds) and the pooled one (units: (size, seed) blocks)."""
+    per = {}
+    for s, g in df.groupby("size"):
+        per[str(s)] = rank_with_ties({o: x.set_index("seed")["value"] for o, x in g.groupby("optimizer")},
+                                     lower_is_better=q.lower_is_better)  # fmt: skip
+    pooled = None
+    if df["size"].nunique() > 1:
+        pooled = rank_with_ties({o: x.set_index(["size", "seed"])["value"] for o, x in df.groupby("optimizer")},
+                                lower_is_better=q.lower_is_better)  # fmt: skip
+    return per, pooled
+
+
+def _rank_note(per: dict[str, Ranking], pooled: Ranking | None) -> str:
+    n = max((r.n_units for r in per.values()), default=0)
+    text = (
+        f" Rank = 1 + number of optimizers significantly better (paired exact sign-flip test over seeds, "
+        f"two-sided, Holm-corrected over the pairs, α = {ALPHA}); equal ranks (=) are not told apart. "
+        f"With {n} seed(s) per size the smallest attainable p is {min_p(n):.3g}"
+    )
+    if per and not any(r.resolved() for r in per.values()):
+        text += f", so per-size ranks are {NOT_RESOLVED}"
+    if pooled is not None:
+        text += (f". Pooled: the sizes as blocks, {pooled.n_units} paired (size, seed) units, smallest p "
+                 f"{min_p(pooled.n_units):.3g}")  # fmt: skip
+        if not pooled.resolved():
+            text += f" (with {len(pooled.pairs)} pairs under Holm, {NOT_RESOLVED})"
+    return text + "."
+
+
+def seed_table(d: StudyData, key: str, title: str, quantities: Sequence[Quantity], source: str) -> Table:
+    """Rows (size, optimizer): per quantity 'mean ± sd [95 % t-CI] (n)' and its rank with ties within the
+    size; then a 'pooled' row per optimizer with its rank over all sizes."""
+    frames = {q.label: d.seeds(q.kind, q.metric, q.scheme, q.best) for q in quantities}
+    if all(f.empty for f in frames.values()):
+        return _missing(key, title, f"no rows for {', '.join(q.metric for q in quantities)} in results.parquet")
+    ranks = {q.label: _ranks(frames[q.label], q) for q in quantities if not frames[q.label].empty}
+    cols = ["size", "optimizer"]
+    for q in quantities:
+        cols += [f"{q.label} mean ± sd [95 % CI] (n)", f"{q.label} rank"]
+    keys = sorted({(s, o) for f in frames.values() for s, o in zip(f["size"], f["optimizer"], strict=True)},
+                  key=lambda k: (d.sizes.index(k[0]) if k[0] in d.sizes else 99, _order(d, k[1])))  # fmt: skip
+    rows: list[tuple[str, ...]] = []
+    bold: set[tuple[int, int]] = set()
+    for s, o in keys:
+        row = [d.size_label(s), d.label(o)]
+        for j, q in enumerate(quantities):
+            f = frames[q.label]
+            v = f.loc[(f["size"] == s) & (f["optimizer"] == o), "value"]
+            r = ranks.get(q.label, ({}, None))[0].get(s)
+            row += [summarize(v).text(q.digits, q.signed), r.label(o) if r and o in r.rank else "–"]
+            if r and r.rank.get(o) == 1 and not r.tied(o):
+                bold.add((len(rows), 2 + 2 * j))
+        rows.append(tuple(row))
+    opts = sorted({o for _, o in keys}, key=lambda o: _order(d, o))
+    if any(p is not None for _, p in ranks.values()):
+        for o in opts:
+            row = ["pooled (all sizes)", d.label(o)]
+            for q in quantities:
+                pooled = ranks.get(q.label, ({}, None))[1]
+                n = int(frames[q.label]["optimizer"].eq(o).sum())
+                row += [f"(n={n} units)", pooled.label(o) if pooled and o in pooled.rank else "–"]
+            rows.append(tuple(row))
+    first = next(iter(ranks.values()), ({}, None))
+    caption = f"From results.parquet: {source}. Interval: Student-t 95 % over seeds." + _rank_note(*first)
+    return Table(key, title, tuple(cols), tuple(rows), caption, bold=frozenset(bold))
+
+
+def _order(d: StudyData, o: str) -> int:
+    return d.optimizers.index(o) if o in d.optimizers else 99
 
 
 # ---------------------------------------------------------------- Table 2
 def table2(d: StudyData) -> Table:
     title = "Table 2 — full-precision final validation loss at each optimizer's best LR"
+    q = Quantity("val loss", "fp", "final_val_loss", best=True)
+    t = seed_table(d, "table2", title, [q], "kind=fp, best_lr=True, scheme=none, metric=final_val_loss")
+    if t.missing:
+        return t
     df = d.rows("fp", "final_val_loss", "none", best=True)
-    if df.empty:
-        return _missing("table2", title, "no best-LR training runs (kind=fp, best_lr) in results.parquet")
-    loss = d.cell("fp", "final_val_loss", best=True)
-    lr = {k: float(g["lr"].iloc[0]) for k, g in df.groupby(["size", "optimizer"])}
-    opts = [o for o in d.optimizers if any(k[1] == o for k in loss)]
-    rows, bold = [], set()
-    for i, s in enumerate(x for x in d.sizes if any(k[0] == x for k in loss)):
-        vals = [loss.get((s, o), math.nan) for o in opts]
-        cells = [f"{fmt(loss[(s, o)])} ({fmt_lr(lr[(s, o)])})" if (s, o) in loss else "–" for o in opts]
-        rows.append((d.size_label(s), *cells))
-        bold |= _argmin_cols(vals, 1, i)
-    caption = (
-        f"From results.parquet: kind=fp, best_lr=True, scheme=none, metric=final_val_loss ({len(df)} rows). "
-        "Cell: loss (best LR). Bold: lowest loss of the size." + _seed_note(d, "fp", "final_val_loss", True)
-    )
-    return Table("table2", title, ("size", *(d.label(o) for o in opts)), tuple(rows), caption, bold=frozenset(bold))
+    groups = df.groupby(["size", "optimizer"])
+    lr = {(d.size_label(s), d.label(o)): fmt_lr(float(g["lr"].iloc[0])) for (s, o), g in groups}
+    rows = tuple((*r[:2], lr.get((r[0], r[1]), "–"), *r[2:]) for r in t.rows)
+    bold = frozenset((i, j + 1) for i, j in t.bold)
+    return replace(t, columns=(*t.columns[:2], "best LR", *t.columns[2:]), rows=rows, bold=bold)
 
 
 # ---------------------------------------------------------------- Table 3
 def table3(d: StudyData, scheme: str) -> Table:
-    title = f"Table 3 — Common-Loss models under PTQ scheme {scheme}"
-    fp, q = d.cell("cl", "val_loss"), d.cell("cl", "val_loss", scheme)
-    if not q:
-        return _missing(f"table3-{scheme}", title, f"no kind=cl rows with scheme={scheme}")
-    dl = d.cell("cl", "delta_val_loss", scheme)
-    acc_fp, acc_q = d.cell("cl", "mc_acc_norm"), d.cell("cl", "mc_acc_norm", scheme)
-    with_acc = bool(acc_q)
-    cols = ["size", "optimizer", "val loss FP", f"val loss {scheme}", "Δ val loss"]
-    cols += ["acc_norm FP", f"acc_norm {scheme}", "Δ acc_norm"] if with_acc else []
-    dacc = d.cell("cl", "delta_acc_norm", scheme)
-    rows: list[tuple[str, ...]] = []
-    bold: set[tuple[int, int]] = set()
-    for s in d.sizes:
-        keys = [(s, o) for o in d.optimizers if (s, o) in q]
-        deltas = [dl.get(k, q[k] - fp.get(k, math.nan)) for k in keys]
-        if (j := _argmin(deltas)) is not None:
-            bold.add((len(rows) + j, 4))
-        for k, delta in zip(keys, deltas, strict=True):
-            row = [d.size_label(s), d.label(k[1]), fmt(fp.get(k)), fmt(q[k]), f"{delta:+.4f}"]
-            if with_acc:
-                row += [fmt(acc_fp.get(k)), fmt(acc_q.get(k)), _signed(dacc.get(k))]
-            rows.append(tuple(row))
-    caption = (
-        f"From results.parquet: kind=cl; scheme=none (FP) and scheme={scheme}; metrics val_loss, "
-        f"delta_val_loss{', mc_acc_norm, delta_acc_norm' if with_acc else ''} ({len(rows)} models). "
-        "Δ = quantized − FP. Bold: smallest Δ val loss of the size."
-    )
-    return Table(f"table3-{scheme}", title, tuple(cols), tuple(rows), caption, bold=frozenset(bold))
+    title = f"Table 3 — Common-Loss models under PTQ scheme {scheme}: Δ validation loss"
+    qs = [Quantity("Δ val loss", "cl", "delta_val_loss", scheme, signed=True)]
+    if d.has("cl", "delta_acc_norm"):
+        qs.append(Quantity("Δ acc_norm", "cl", "delta_acc_norm", scheme, lower_is_better=False, signed=True))
+    src = f"kind=cl, scheme={scheme}, Δ = quantized − FP of each CL model (one per seed)"
+    return seed_table(d, f"table3-{scheme}", title, qs, src)
 
 
 def table3_schemes(d: StudyData) -> Table:
-    """Δ val loss of every CL model under every PTQ scheme (rows: size × optimizer)."""
+    """Δ val loss of the CL models under every PTQ scheme, with ranks within each size."""
     title = "Table 3b — Δ validation loss by PTQ scheme"
     schemes = d.schemes("cl")
-    cells = {s: d.cell("cl", "delta_val_loss", s) for s in schemes}
-    keys = [(s, o) for s in d.sizes for o in d.optimizers if any((s, o) in c for c in cells.values())]
-    if not keys:
+    if not schemes:
         return _missing("table3b", title, "no kind=cl rows with metric delta_val_loss")
-    rows, bold = [], set()
-    for i, k in enumerate(keys):
-        vals = [cells[s].get(k, math.nan) for s in schemes]
-        rows.append((d.size_label(k[0]), d.label(k[1]), *(_signed(v) for v in vals)))
-        bold |= _argmin_cols(vals, 2, i)
-    caption = (
-        f"From results.parquet: kind=cl, metric=delta_val_loss, schemes {', '.join(schemes)} "
-        f"({len(keys)} models). Bold: the scheme with the smallest damage for the model."
-    )
-    return Table("table3b", title, ("size", "optimizer", *schemes), tuple(rows), caption, bold=frozenset(bold))
-
-
-def _signed(v: float | None, digits: int = 4) -> str:
-    return "–" if v is None or not np.isfinite(v) else f"{v:+.{digits}f}"
+    qs = [Quantity(s, "cl", "delta_val_loss", s, signed=True) for s in schemes]
+    return seed_table(d, "table3b", title, qs, f"kind=cl, metric=delta_val_loss, schemes {', '.join(schemes)}")
 
 
 # ---------------------------------------------------------------- Table 4
 def table4(d: StudyData) -> Table:
-    title = "Table 4 — QAT (QuEST W4A4) final validation loss and relative degradation"
-    loss = d.cell("qat", "final_val_loss", scheme=None)
-    if not loss:
-        return _missing("table4", title, "no QAT runs (kind=qat) in results.parquet")
-    rel = d.cell("qat", "qat_rel_degradation_pct", scheme=None)
-    acc = d.cell("qat", "mc_acc_norm", scheme=None)
-    fp = d.cell("fp", "final_val_loss", best=True)
-    cols = ["size", "optimizer", "FP loss (best LR)", "QAT loss", "rel. gap (%)"] + (["QAT acc_norm"] if acc else [])
-    rows: list[tuple[str, ...]] = []
-    bold: set[tuple[int, int]] = set()
-    for s in d.sizes:
-        keys = [(s, o) for o in d.optimizers if (s, o) in loss]
-        if (j := _argmin([rel.get(k, math.nan) for k in keys])) is not None:
-            bold.add((len(rows) + j, 4))
-        for k in keys:
-            row = [d.size_label(s), d.label(k[1]), fmt(fp.get(k)), fmt(loss[k]), _signed(rel.get(k), 2)]
-            rows.append(tuple(row + ([fmt(acc.get(k), 3)] if acc else [])))
+    title = "Table 4 — QAT (QuEST W4A4): relative validation-loss gap to FP and QAT loss"
+    qs = [Quantity("rel. gap (%)", "qat", "qat_rel_degradation_pct", None, digits=2, signed=True),
+          Quantity("QAT loss", "qat", "final_val_loss", None)]  # fmt: skip
+    src = ("kind=qat, metrics qat_rel_degradation_pct (QAT loss vs its FP best-LR twin, positive = worse) and "
+           "final_val_loss. The paper reports accuracy, where worse is negative")  # fmt: skip
+    return seed_table(d, "table4", title, qs, src)
+
+
+# ---------------------------------------------------------------- outliers per optimizer
+def outlier_table(d: StudyData) -> Table:
+    """MMR (both aggregations) and R_L of the CL models per optimizer, with intervals and ranks."""
+    title = "MMR and R_L of the Common-Loss models"
+    scheme = d.paper_scheme()
+    qs = [Quantity("MMR per-token", "cl", "mmr", digits=2)]
+    if d.has("cl", "mmr_batchavg"):
+        qs.append(Quantity("MMR batch-avg", "cl", "mmr_batchavg", digits=2))
+    if scheme:
+        qs.append(Quantity(f"R_L ({scheme})", "cl", "R_L", scheme))
+    src = ("kind=cl; mmr = per-token max/median |x| averaged over tokens (paper.md §6.1), mmr_batchavg = the "
+           "authors' code's batch-averaged features (scheme=none); R_L = relative output error after PTQ. "
+           "Lower ranks first")  # fmt: skip
+    return seed_table(d, "outliers", title, qs, src)
+
+
+# ---------------------------------------------------------------- Common Loss models
+def cl_table(d: StudyData) -> Table:
+    """Each CL model's own fp32 validation loss next to its size's threshold, and the spread per size."""
+    title = "Common-Loss models: their own validation loss and the spread within each size"
+    loss = d.rows("cl", "val_loss")
+    if loss.empty:
+        return _missing("cl", title, "no kind=cl rows with metric val_loss")
+    thr = d.rows("cl", "cl_threshold").set_index("run_id")["value"]
+    step = d.rows("cl", "cl_step").set_index("run_id")["value"]
+    rows = []
+    for s in [x for x in d.sizes if x in set(loss["size"])]:
+        g = loss[loss["size"] == s].sort_values(["optimizer", "seed"], key=lambda c: c.map(str))
+        for r in g.itertuples():
+            t = float(thr.get(r.run_id, math.nan))
+            st = step.get(r.run_id)
+            rows.append((d.size_label(s), d.label(r.optimizer), str(r.seed), fmt(r.value), fmt(t),
+                         _signed(r.value - t), "–" if st is None else f"{st:.0f}"))  # fmt: skip
+        v = g["value"].to_numpy(dtype=float)
+        rows.append((d.size_label(s), "spread (max − min)", f"{len(v)} models", fmt(float(np.ptp(v))), "", "", ""))
     caption = (
-        "From results.parquet: kind=qat, metrics final_val_loss, qat_rel_degradation_pct"
-        f"{', mc_acc_norm' if acc else ''}; FP loss from kind=fp best_lr=True ({len(rows)} QAT runs). "
-        "Rel. gap: QAT loss vs its FP best-LR twin, positive = worse than FP. Bold: smallest gap of the "
-        "size. The paper reports accuracy, where worse is negative."
+        "From results.parquet kind=cl, scheme=none: val_loss (the fp32 evaluator that also measures PTQ "
+        "damage), cl_threshold (the size's Common Loss) and cl_step (the checkpoint's step)."
     )
-    return Table("table4", title, tuple(cols), tuple(rows), caption, bold=frozenset(bold))
+    cols = ("size", "optimizer", "seed", "val loss", "CL threshold", "loss − CL", "step")
+    return Table("cl", title, cols, tuple(rows), caption)
+
+
+# ---------------------------------------------------------------- LR search
+BRACKETED = ("bracketed", "refined")
+
+
+def lr_status_table(d: StudyData) -> Table:
+    """The (optimizer, size) LR searches whose best LR is not bracketed by worse neighbours, with the reason."""
+    title = "LR searches left unbracketed"
+    if not d.best:
+        return _missing("lr-status", title, "no best.json")
+    rows = []
+    for k, r in sorted(d.best.items()):
+        status = r.get("status") or ("edge" if r.get("edge") else "bracketed")
+        if status in BRACKETED:
+            continue
+        opt, _, size = k.partition("/")
+        reason = r.get("reason") or ("best LR at the grid edge" if status == "edge" else "")
+        lr = r.get("best_lr")
+        rows.append((d.size_label(size), d.label(opt), fmt_lr(math.nan if lr is None else float(lr)), status, reason))
+    n = len(d.best)
+    if not rows:
+        return Table("lr-status", title, ("size", "optimizer"), (), f"From best.json: all {n} LR searches "
+                     "are bracketed (the best LR has a worse neighbour on both sides).")  # fmt: skip
+    caption = (
+        f"From best.json: {len(rows)} of {n} (optimizer, size) searches whose best LR lacks a worse "
+        "neighbour on one side (cap: the extension limit was reached; diverged: the next point diverged). "
+        "Their optimizer is compared possibly untuned."
+    )
+    return Table("lr-status", title, ("size", "optimizer", "best LR", "status", "reason"), tuple(rows), caption)
+
+
+def _signed(v: float | None, digits: int = 4) -> str:
+    return "–" if v is None or not np.isfinite(v) else f"{v:+.{digits}f}"
 
 
 # ---------------------------------------------------------------- Table 10
@@ -346,39 +447,46 @@ def _ratio(v: float | None, ref: float | None) -> str:
 
 
 # ---------------------------------------------------------------- correlations
-def correlation_table(d: StudyData) -> Table:
-    title = "Correlation of each metric with PTQ damage"
+CORR_METRICS = ("R_L", "mmr", "mmr_batchavg", "kurtosis")
+
+
+def _r(x, m: str) -> str:
+    r, lo, hi, p = (getattr(x, f"{m}{s}", math.nan) for s in ("", "_lo", "_hi", "_p"))
+    if not np.isfinite(r):
+        return "–"
+    return f"{r:+.2f} [{fmt(lo, 2)}, {fmt(hi, 2)}] p={p:.2g}"
+
+
+def correlation_table(d: StudyData, scheme: str | None = None, target: str = "delta_val_loss") -> Table:
+    """Within-size correlations of each predictor with PTQ damage, largest size first (the headline, the
+    paper's setting), then the other sizes, then the pooled one, labelled as such."""
+    scheme = scheme or d.paper_scheme() or "w4a4-rtn"
+    title = f"Correlation with PTQ damage ({target}, {scheme}) within each size"
     c = d.correlations
-    if c is None or c.empty:
-        return _missing("correlations", title, "no correlations.parquet")
-    keep = ["all"] + [s for s in (d.largest(),) if s]
-    c = c[c["size"].astype(str).isin(keep)]
-    order = {s: i for i, s in enumerate(d.schemes("cl"))}
-    metrics = [m for m in ("mmr", "kurtosis", "R_L") if m in set(c["metric"])]
-    metrics += sorted(set(c["metric"]) - set(metrics))
+    if c is None or c.empty or "pearson_partial" not in c:
+        return _missing(f"correlations-{scheme}", title, "no correlations.parquet with partial correlations")
+    c = c[(c["scheme"] == scheme) & (c["target"] == target)]
+    if c.empty:
+        return _missing(f"correlations-{scheme}", title, f"no correlations for {scheme}/{target}")
+    sizes = [s for s in reversed(d.sizes) if s in set(c["size"])] + (["pooled"] if "pooled" in set(c["size"]) else [])
+    metrics = [m for m in CORR_METRICS if m in set(c["metric"])] + sorted(set(c["metric"]) - set(CORR_METRICS))
     rows = []
-    groups = c.groupby(["scheme", "size", "target"], sort=False)
-    for (scheme, size, target), g in sorted(groups, key=lambda x: (order.get(x[0][0], 99), str(x[0]))):
-        by = {r.metric: r for r in g.itertuples()}
-        cells = [f"{str(scheme)}", str(size), str(target), str(int(g["n"].max()))]
-        for m in metrics:
-            r = by.get(m)
-            cells.append(fmt_ci(r.pearson, (r.pearson_lo, r.pearson_hi), 2) if r else "–")
-            cells.append(fmt(r.spearman, 2) if r else "–")
-        rows.append(tuple(cells))
+    for s in sizes:
+        label = "pooled (all sizes)" if s == "pooled" else d.size_label(s)
+        for x in c[c["size"] == s].set_index("metric").reindex(metrics).dropna(how="all").itertuples():
+            n = f"{int(x.n)} ({int(x.n_cl)} CL)" if "n_cl" in c else str(int(x.n))
+            rows.append((label, str(x.Index), n, _r(x, "pearson"), _r(x, "spearman"), _r(x, "pearson_partial"),
+                         _r(x, "spearman_partial")))  # fmt: skip
     caption = (
-        f"From correlations.parquet, sizes {' and '.join(keep)} ({len(c)} rows): Pearson r [CI] and Spearman "
-        "per metric. Targets are Δ = quantized − FP, so a positive r with delta_val_loss means the metric "
-        "grows with the damage, and the paper's accuracy-based signs flip."
+        f"From correlations.parquet (scheme={scheme}, target={target}): models are every FP sweep run and "
+        "Common-Loss model with PTQ rows, diverged runs left out; n per cell. Cell: r [95 % bootstrap CI] "
+        "p. Partial: controlling for the model's FP validation loss (residuals of a linear regression, p "
+        "from t with n − 3 dof). The first size is the headline (within one size, as in the paper); pooled "
+        "mixes sizes whose damage differs and comes last. Δ = quantized − FP, so the paper's accuracy-based "
+        "signs flip. mmr is per-token (paper.md §6.1), mmr_batchavg the authors' code's batch average."
     )
-    cols = (
-        "scheme",
-        "size",
-        "target",
-        "n",
-        *(f"{m} {k}" for m in metrics for k in ("Pearson [CI]", "Spearman")),
-    )
-    return Table("correlations", title, cols, tuple(rows), caption)
+    cols = ("size", "metric", "n", "Pearson", "Spearman", "partial Pearson (FP loss)", "partial Spearman (FP loss)")
+    return Table(f"correlations-{scheme}", title, cols, tuple(rows), caption)
 
 
 # ---------------------------------------------------------------- paper side tables
@@ -411,6 +519,6 @@ def to_markdown(t: Table) -> str:
         v = v.replace("|", "\\|")
         return f"**{v}**" if (i, j) in t.bold else v
 
-    lines = ["| " + " | ".join(t.columns) + " |", "|" + "---|" * len(t.columns)]
+    lines = ["| " + " | ".join(c.replace("|", "\\|") for c in t.columns) + " |", "|" + "---|" * len(t.columns)]
     lines += ["| " + " | ".join(cell(i, j, v) for j, v in enumerate(r)) + " |" for i, r in enumerate(t.rows)]
     return head + "\n".join(lines) + ("\n\n" + t.caption if t.caption else "") + "\n"

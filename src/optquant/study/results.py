@@ -20,6 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from optquant.analysis import AnalysisConfig, read_result, write_parquet
@@ -36,7 +37,7 @@ FP_METRICS = ("final_val_loss", "best_val_loss", "mean_step_seconds", "optimizer
 PTQ_METRICS = ("val_loss", "mc_acc", "mc_acc_norm", "delta_val_loss", "delta_acc_norm", "R_L", "sum_A",
                "sum_B", "sum_C", "mean_gain", "mean_G1", "mean_G2")
 DAMAGE = ("delta_val_loss", "delta_acc_norm")
-PREDICTORS = ("mmr", "kurtosis", "kurt_rms", "R_L", "sum_A", "sum_B")
+PREDICTORS = ("mmr", "mmr_batchavg", "kurtosis", "kurt_rms", "R_L", "sum_A", "sum_B")
 
 
 def _rows(base: dict[str, Any], scheme: str, values: dict[str, Any], names) -> list[dict[str, Any]]:
@@ -120,35 +121,56 @@ def _sweep_rows(study, run: Path, base: dict, acfg: AnalysisConfig) -> list[dict
     return rows
 
 
-def correlations(df: pd.DataFrame) -> pd.DataFrame:
-    """Across CL models: each predictor (FP outliers; the scheme's ABC terms) vs PTQ damage."""
-    cl = df[df.kind == "cl"]
-    if cl.empty:
+def correlations(df: pd.DataFrame, n_boot: int = 500) -> pd.DataFrame:
+    """Each predictor vs PTQ damage, within each size and pooled over sizes, per PTQ scheme.
+
+    The models are every run with PTQ rows for the scheme: FP sweep runs (kind=fp) and Common-Loss models
+    (kind=cl), diverged runs left out. Predictors are the run's FP outlier metrics (scheme "none": per-token
+    `mmr` as paper.md §6.1 defines it, the authors' batch-averaged `mmr_batchavg`, kurtosis, ...) and the
+    scheme's ABC terms. Beside Pearson and Spearman, partial correlations control for the model's FP
+    validation loss (`fp_loss` = quantized val loss − Δ val loss of the same evaluation; else the run's
+    val_loss or final_val_loss), since damage grows as loss falls. One row per (size, scheme, metric,
+    target): size is the preset or "pooled"; n is the number of models in the cell; columns <method>,
+    <method>_lo, <method>_hi, <method>_p for pearson, spearman, pearson_partial, spearman_partial.
+    """
+    runs = df[df.kind.isin(("fp", "cl"))]
+    if runs.empty:
         return pd.DataFrame()
-    outliers = cl[(cl.scheme == "none") & cl.metric.isin(OUTLIER_METRICS)].pivot_table(
-        index=["run_id", "size", "optimizer"], columns="metric", values="value")
+    keys = ["run_id", "size", "optimizer", "kind"]
+    none = runs[runs.scheme == "none"].pivot_table(index=keys, columns="metric", values="value")
+    diverged = set(none.index.get_level_values("run_id")[none["diverged"] > 0]) if "diverged" in none else set()
+    fp_own = none.get("val_loss", pd.Series(math.nan, index=none.index))
+    if "final_val_loss" in none:
+        fp_own = fp_own.fillna(none["final_val_loss"])
+    outliers = none[[m for m in OUTLIER_METRICS if m in none]].assign(fp_own=fp_own)
     out = []
-    for scheme, g in cl[cl.scheme != "none"].groupby("scheme"):
-        wide = g.pivot_table(index=["run_id", "size", "optimizer"], columns="metric", values="value")
-        wide = wide.join(outliers, how="left").reset_index()
+    for scheme, g in runs[(runs.scheme != "none") & ~runs.run_id.isin(diverged)].groupby("scheme"):
+        wide = g.pivot_table(index=keys, columns="metric", values="value").join(outliers, how="left")
+        if "delta_val_loss" not in wide:
+            continue
+        from_ptq = wide["val_loss"] - wide["delta_val_loss"] if "val_loss" in wide else math.nan
+        wide["fp_loss"] = pd.Series(from_ptq, index=wide.index).fillna(wide["fp_own"])
+        wide = wide[np.isfinite(wide["delta_val_loss"])].reset_index()
         metrics = [m for m in PREDICTORS if m in wide]
         targets = [t for t in DAMAGE if t in wide]
-        for group, part in [("all", wide), *wide.groupby("size")]:
-            tidy = correlate(part, metrics, targets, n_boot=500)
+        for group, part in [*wide.groupby("size"), ("pooled", wide)]:
+            tidy = correlate(part, metrics, targets, control="fp_loss", n_boot=n_boot)
             tidy["size"], tidy["scheme"] = group, scheme
+            tidy["n_cl"] = int((part["kind"] == "cl").sum())
             out.append(tidy)
+    if not out:
+        return pd.DataFrame()
     tidy = pd.concat(out, ignore_index=True)
+    index = ["size", "scheme", "metric", "target"]
+    n = tidy.groupby(index, sort=False)[["n", "n_cl"]].max()
     # unstack (not pivot_table): only the (size, scheme, metric, target) combinations that exist
-    wide = tidy.set_index(["size", "scheme", "metric", "target", "n", "method"])[["r", "ci_low", "ci_high"]]
-    wide = wide.unstack("method").reset_index()
+    wide = tidy.set_index([*index, "method"])[["r", "ci_low", "ci_high", "p"]].unstack("method")
     wide.columns = [_col(a, b) for a, b in wide.columns]
-    return wide
+    return n.join(wide).reset_index()
 
 
 def _col(value: str, method: str) -> str:
-    if not method:
-        return value
-    return {"r": method, "ci_low": f"{method}_lo", "ci_high": f"{method}_hi"}[value]
+    return {"r": method, "ci_low": f"{method}_lo", "ci_high": f"{method}_hi", "p": f"{method}_p"}[value]
 
 
 def _fit_n(df: pd.DataFrame) -> tuple[pd.Series, str]:
