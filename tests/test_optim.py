@@ -44,7 +44,7 @@ from optquant.optim import (
     split_params,
     state_bytes,
 )
-from optquant.optim.newton_schulz import newton_schulz
+from optquant.optim.newton_schulz import newton_schulz, newton_schulz_many
 from optquant.optim.psgd import kron_step_seed
 from optquant.optim.scion import Scion
 from optquant.train import train as train_run
@@ -467,3 +467,13 @@ def test_summary_records_the_newton_schulz_dtype(nano_cfg, tmp_path, name, dtype
     summary = train_run(cfg, tmp_path / "run")
     assert summary["ns_dtype"] == dtype
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["ns_dtype"] == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_newton_schulz_equals_one_call_per_matrix(dtype):
+    gen = torch.Generator().manual_seed(0)
+    mats = [torch.randn(s, generator=gen) for s in [(48, 48)] * 3 + [(192, 48)] * 2 + [(48, 192), (33, 7)]]
+    for layout in (torch.preserve_format, torch.contiguous_format):
+        stacked = newton_schulz_many(mats, 5, dtype, memory_format=layout)
+        assert all(torch.equal(a, newton_schulz(m, 5, dtype, memory_format=layout))
+                   for a, m in zip(stacked, mats, strict=True))

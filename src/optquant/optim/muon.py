@@ -27,15 +27,13 @@ from torch import Tensor
 
 from optquant.errors import OptquantError
 from optquant.optim.groups import ParamGroups
-from optquant.optim.newton_schulz import DTYPES, newton_schulz, resolve_ns_dtype
+from optquant.optim.newton_schulz import DTYPES, newton_schulz_many, resolve_ns_dtype
 
 
-def muon_update(grad: Tensor, buf: Tensor, *, momentum: float, nesterov: bool, ns_steps: int,
-                coefficients: tuple[float, float, float], eps: float, dtype: torch.dtype) -> Tensor:
-    """m ← β·m + (1−β)·g (in place on `buf`), u = (1−β)·g + β·m if Nesterov else m; returns NS(u)."""
+def momentum_direction(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """m ← β·m + (1−β)·g (in place on `buf`); returns u = (1−β)·g + β·m if Nesterov, else m."""
     buf.lerp_(grad, 1 - momentum)
-    update = grad.lerp(buf, momentum) if nesterov else buf
-    return newton_schulz(update, ns_steps, dtype, coefficients, eps)
+    return grad.lerp(buf, momentum) if nesterov else buf
 
 
 def lr_scale(adjust_lr: str | None, shape: torch.Size) -> float:
@@ -66,17 +64,19 @@ class Muon(torch.optim.Muon):
         for group in self.param_groups:
             lr, weight_decay = group["lr"], group["weight_decay"]
             dtype = DTYPES[group.setdefault("ns_dtype", self.defaults["ns_dtype"])]  # older checkpoints: bf16
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            directions = []
+            for p in params:
                 if p.grad.is_sparse or torch.is_complex(p):
                     raise OptquantError("Muon supports dense real parameters only")
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                update = muon_update(p.grad, state["momentum_buffer"], momentum=group["momentum"],
-                                     nesterov=group["nesterov"], ns_steps=group["ns_steps"],
-                                     coefficients=group["ns_coefficients"], eps=group["eps"], dtype=dtype)
+                directions.append(momentum_direction(p.grad, state["momentum_buffer"], group["momentum"],
+                                                     group["nesterov"]))
+            updates = newton_schulz_many(directions, group["ns_steps"], dtype, coefficients=group["ns_coefficients"],
+                                         eps=group["eps"])
+            for p, update in zip(params, updates, strict=True):
                 p.mul_(1 - lr * weight_decay)
                 p.add_(update, alpha=-lr * lr_scale(group["adjust_lr_fn"], p.shape))
         return loss

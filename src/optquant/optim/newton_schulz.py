@@ -11,6 +11,8 @@ then `steps` times A = XXᵀ, X ← aX + (bA + cA²)X with (a, b, c) = (3.4445, 
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 from torch import Tensor
 
@@ -41,6 +43,21 @@ def newton_schulz(
         poly = mm(gram, gram, gram, beta=b, alpha=c)
         x = mm(x, poly, x, beta=a)
     return x.mT if tall else x
+
+
+def newton_schulz_many(mats: list[Tensor], steps: int, dtype: torch.dtype, **kwargs) -> list[Tensor]:
+    """`newton_schulz` of each matrix, matrices of one shape stacked into one call (on small CPU models
+    the per-call overhead is most of the cost); the same values as one call per matrix."""
+    same: dict[tuple, list[int]] = defaultdict(list)
+    for i, m in enumerate(mats):
+        same[(m.device, m.dtype, m.shape)].append(i)
+    out: list[Tensor] = list(mats)
+    for idx in same.values():
+        x = newton_schulz(mats[idx[0]] if len(idx) == 1 else torch.stack([mats[i] for i in idx]), steps, dtype,
+                          **kwargs)
+        for i, o in zip(idx, [x] if len(idx) == 1 else x.unbind(), strict=True):
+            out[i] = o
+    return out
 
 
 def resolve_ns_dtype(setting: str, params: list[Tensor]) -> str:

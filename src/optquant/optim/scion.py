@@ -22,7 +22,6 @@ the library's choice and our step is then bitwise the library's; "fp32" is for C
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,7 +31,7 @@ from pytorch_optimizer.optimizer.scion import LMONorm, Norm, Spectral
 
 from optquant.errors import OptquantError
 from optquant.optim.groups import ParamGroups
-from optquant.optim.newton_schulz import DTYPES, newton_schulz, resolve_ns_dtype
+from optquant.optim.newton_schulz import DTYPES, newton_schulz, newton_schulz_many, resolve_ns_dtype
 
 GAIN_SIGN = 8  # the authors' norm_type for the vector group
 
@@ -63,15 +62,9 @@ class NewtonSchulzSpectral(Spectral):
         return self._orthogonalize(grad.view(len(grad), -1)).view(grad.shape).mul_(self._scale(grad.shape))
 
     def lmo_foreach(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        same: defaultdict[tuple, list[int]] = defaultdict(list)
-        for i, g in enumerate(grads):
-            same[(g.device, g.dtype, g.shape)].append(i)
-        updates = list(grads)
-        for idx in same.values():
-            mats = [grads[i].reshape(grads[i].size(0), -1) for i in idx]
-            out = self._orthogonalize(mats[0] if len(mats) == 1 else torch.stack(mats))
-            for i, u in zip(idx, [out] if len(mats) == 1 else out.unbind(), strict=True):
-                updates[i] = u.reshape(grads[i].shape)
+        mats = [g.reshape(g.size(0), -1) for g in grads]
+        updates = newton_schulz_many(mats, self.num_steps, self.dtype, memory_format=torch.contiguous_format)
+        updates = [u.reshape(g.shape) for u, g in zip(updates, grads, strict=True)]
         torch._foreach_mul_(updates, [self._scale(g.shape) for g in grads])
         return updates
 
