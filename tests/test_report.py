@@ -24,7 +24,7 @@ from optquant.report import render_report, report_markdown
 from optquant.report.claims import check_claims
 from optquant.report.figures import fig2_mmr_vs_lr
 from optquant.report.load import load_study
-from optquant.report.tables import table10, table10_joint
+from optquant.report.tables import cost_table, table10, table10_joint
 
 OPTS = ("adamw", "muon", "psgd", "scion", "shampoo", "soap")
 SIZES = {"s1": 2e5, "s2": 6e5, "s3": 1.8e6}
@@ -341,3 +341,16 @@ def test_chromium_loads_every_figure(full, tmp_path):
     m = re.search(r'data-figures="(\d+)/(\d+)"', dom)
     assert m, dom[:500]
     assert m.group(1) == m.group(2) == str(len(_imgs(page)))
+
+
+def test_cost_table_shows_the_newton_schulz_dtype(tmp_path):
+    root = make_study(tmp_path / "study", cl=False, qat=False, fits=None, correlations=False)
+    dtypes = {"muon": "fp32", "scion": "bf16"}  # the summary field train() writes (None for the others)
+    for run in (root / "runs").glob("fp-*"):
+        summary = json.loads((run / "summary.json").read_text())
+        summary["ns_dtype"] = dtypes.get(run.name.split("-")[1])
+        (run / "summary.json").write_text(json.dumps(summary))
+    table = cost_table(load_study(root))
+    col = table.columns.index("Newton–Schulz")
+    got = {row[1]: row[col] for row in table.rows}
+    assert got == {"AdamW": "–", "Muon": "fp32", "PSGD": "–", "Scion": "bf16", "Shampoo": "–", "SOAP": "–"}
