@@ -38,7 +38,7 @@ from optquant.model import LM, lm_loss, model_config
 from optquant.optim import AdamWConfig, build_optimizers
 from optquant.train import autocast
 
-PRESETS = ("nano", "micro", "tiny", "small")
+CPU_MODEL_PRESETS = ("nano", "micro", "tiny", "small")
 VOCAB = 4096
 
 
@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     p.add_argument("--matmul-n", type=int, default=2048)
-    p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
+    p.add_argument("--presets", nargs="+", default=list(CPU_MODEL_PRESETS), choices=CPU_MODEL_PRESETS)
     args = p.parse_args()
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     if args.threads:
