@@ -27,6 +27,7 @@ from optquant.report.load import load_study
 from optquant.report.tables import (
     cl_table,
     correlation_table,
+    cost_table,
     fit_diagnostics_table,
     lr_status_table,
     table2,
@@ -256,3 +257,19 @@ def test_fit_tables_say_not_identified_and_show_diagnostics(smoke_study, tmp_pat
     assert [r[2][:5] for r in table10_joint(d).rows] == ["0.850", "0.750"]
     assert "N counts non_embedding" in table10(d).caption and "headline" in table10_joint(d).caption
     assert [r[-1] for r in fit_diagnostics_table(d).rows] == ["identified"] * 3
+
+
+def test_cost_table_shows_the_newton_schulz_dtype(smoke_study, tmp_path):
+    """The dtype each run's summary.json records (train() writes it) reaches the cost table; a changed
+    summary changes the cell, so the column is read, not assumed."""
+    root = tmp_path / "study"
+    shutil.copytree(smoke_study, root)
+    written = {json.loads(p.read_text()).get("ns_dtype") for p in root.glob("runs/*-muon-*/summary.json")}
+    assert len(written) == 1 and written <= {"bf16", "fp32"}
+    col = cost_table(load_study(root)).columns.index("Newton–Schulz")
+    got = {row[1]: row[col] for row in cost_table(load_study(root)).rows}
+    assert got == {"AdamW": "–", "Muon": written.pop()}
+    flipped = {"bf16": "fp32", "fp32": "bf16"}[got["Muon"]]
+    for path in root.glob("runs/*-muon-*/summary.json"):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "ns_dtype": flipped}))
+    assert {row[1]: row[col] for row in cost_table(load_study(root)).rows}["Muon"] == flipped

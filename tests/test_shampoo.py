@@ -4,7 +4,9 @@ Strategy: each test pins one semantic of DistributedShampoo as the paper ran it,
 the closed forms hold to rounding: β2 = 0 and no grafting on a square full-rank G gives the polar factor
 UVᵀ; a vector's full-matrix root gives g/‖g‖; the grafted step has Adam's norm at every step; before the
 start step the optimizer is exactly Adam; a blocked matrix equals its blocks optimized separately;
-decoupled weight decay and momentum follow their formulas; the fp64 eigh retry is counted.
+decoupled weight decay and momentum follow their formulas; the fp64 eigh retry is counted; at β2 = 1
+factors and grafting state are Adagrad's sums (DistributedShampoo 2025-06), checked against the closed
+form and torch's Adagrad.
 (The step-for-step comparison with facebookresearch/optimizers itself ran outside the repository.)
 """
 
@@ -163,3 +165,36 @@ def test_config_builds_two_groups_and_rejects_bad_values():
         Shampoo([mat], precondition_frequency=20, start_preconditioning_step=5)
     with pytest.raises(OptquantError):
         Shampoo([mat], grafting="sgd")
+
+
+def matrix_power(A: torch.Tensor, power: float) -> torch.Tensor:
+    L, Q = torch.linalg.eigh(A)
+    return (Q * L.pow(power)) @ Q.T
+
+
+@pytest.mark.parametrize("beta1", [0.0, 0.9])
+def test_beta2_one_is_adagrad_accumulation(beta1):
+    lr, eps, f = 0.1, 1e-10, 5
+    W = param(4, 3)
+    start = W.detach().clone()
+    opt = Shampoo([W], lr=lr, betas=(beta1, 1.0), eps=eps, precondition_frequency=f)
+    gs = grads((4, 3), 8)
+    deltas = step_deltas(opt, W, gs)
+    m, v = torch.zeros_like(gs[0]), torch.zeros_like(gs[0])
+    L, R = torch.zeros(4, 4, dtype=torch.float64), torch.zeros(3, 3, dtype=torch.float64)
+    for t, (g, d) in enumerate(zip(gs, deltas, strict=True), start=1):
+        m, v = beta1 * m + (1 - beta1) * g, v + g * g  # weight 1 on g², no bias correction
+        L, R = L + g @ g.T, R + g.T @ g
+        m_hat = m / (1 - beta1**t)
+        adagrad = m_hat / (v.sqrt() + eps)
+        if t == f:  # the roots of the summed factors, computed once in this window
+            XL, XR = matrix_power(L + eps * torch.eye(4), -0.25), matrix_power(R + eps * torch.eye(3), -0.25)
+        expected = adagrad if t < f else (XL @ m_hat @ XR) * (adagrad.norm() / (XL @ m_hat @ XR).norm())
+        torch.testing.assert_close(-d, lr * expected, rtol=1e-9, atol=1e-12)
+    assert deltas[0].abs().max() <= lr  # |g|/(|g| + ε) ≤ 1: not g/ε (the V = 0 bug gave ~1e9·lr)
+    if beta1 == 0:  # before the first roots it is torch's Adagrad
+        ref = torch.nn.Parameter(start.clone())
+        step_deltas(torch.optim.Adagrad([ref], lr=lr, eps=eps), ref, gs[: f - 1])
+        W2 = torch.nn.Parameter(start.clone())
+        step_deltas(Shampoo([W2], lr=lr, betas=(0.0, 1.0), eps=eps, precondition_frequency=f), W2, gs[: f - 1])
+        torch.testing.assert_close(W2, ref, rtol=1e-12, atol=1e-12)

@@ -33,10 +33,11 @@ from optquant import distributed as dist
 from optquant.checkpoint import atomic_write_json, load_checkpoint, save_checkpoint, save_weights
 from optquant.config import RunConfig, TrainConfig
 from optquant.data import check_enough, fixed_batches, get_batch, load_tokens
+from optquant.device import use_bf16
 from optquant.errors import OptquantError
 from optquant.evaluate import val_loss
 from optquant.model import LM, count_params, lm_loss
-from optquant.optim import build_optimizers, state_bytes
+from optquant.optim import build_optimizers, ns_dtype, state_bytes
 from optquant.runs import read_summary, write_config
 
 log = logging.getLogger(__name__)
@@ -53,19 +54,6 @@ def lr_multiplier(step: int, total: int, cfg: TrainConfig) -> float:
     if step >= total - decay:
         return (total - step) / decay
     return 1.0
-
-
-def use_bf16(precision: str, device: torch.device) -> bool:
-    """`auto`: bf16 autocast where the hardware has fast bf16 matmuls (AVX512-BF16/AMX, CUDA bf16)."""
-    if precision != "auto":
-        return precision == "bf16"
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def total_steps(cfg: RunConfig, model: nn.Module) -> int:
@@ -223,6 +211,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         "cl_threshold": tc.cl_threshold, "cl_step": state["cl_step"],
         "optimizer": cfg.optim.name, "lr": cfg.optim.lr, "qat": cfg.qat.method if cfg.qat else None,
         "optimizer_state_bytes": state_bytes(optimizers),
+        "ns_dtype": ns_dtype(optimizers),  # Muon's/Scion's Newton–Schulz: "bf16", "fp32", or None
         "eigh_retries": sum(getattr(o, "eigh_retries", 0) for o in optimizers),  # Shampoo's fp64 retries
         "mean_step_seconds": state["train_time"] / max(1, state["timed_steps"]),
         **info,

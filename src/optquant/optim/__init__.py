@@ -62,6 +62,12 @@ def _tensor_bytes(value) -> int:
     return 0
 
 
+def ns_dtype(optimizers: Iterable[torch.optim.Optimizer]) -> str | None:
+    """The dtype Muon's/Scion's Newton–Schulz ran in ("bf16" or "fp32"); None if no optimizer has one."""
+    found = sorted({g["ns_dtype"] for opt in optimizers for g in opt.param_groups if "ns_dtype" in g})
+    return "/".join(found) or None
+
+
 def state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
     """Bytes of optimizer state (moments, factors, preconditioners) over all optimizers."""
     return sum(_tensor_bytes(state) for opt in optimizers for state in opt.state.values())
@@ -78,6 +84,7 @@ __all__ = [
     "ScionConfig",
     "ShampooConfig",
     "build_optimizers",
+    "ns_dtype",
     "split_params",
     "state_bytes",
 ]

@@ -2,7 +2,7 @@
 
 The authors ran `muon.SingleDeviceMuon(hidden, lr, momentum, weight_decay)` and, for the rest,
 `AdamW(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, same weight decay, fused=True)` (paper.md §3). Muon's step:
-m ← β·m + (1−β)·g; u = (1−β)·g + β·m (Nesterov); O = NS5(u) (5 quintic Newton–Schulz steps in bf16 with
+m ← β·m + (1−β)·g; u = (1−β)·g + β·m (Nesterov); O = NS5(u) (5 quintic Newton–Schulz steps in `ns_dtype` with
 (a, b, c) = (3.4445, −4.7750, 2.0315) after dividing by ‖u‖_F); W ← W·(1 − lr·λ) − lr·√max(1, rows/cols)·O.
 `torch.optim.Muon` computes exactly this when its lr adjustment is "original" (dependencies.md §1.2:
 6e-3 from the reference after 30 steps, bf16 rounding). Its defaults differ from the paper's and are set
@@ -10,16 +10,76 @@ explicitly here: weight_decay 0.1 → the config's (0), `adjust_lr_fn` → "orig
 
 The schedule multiplies the AdamW group's fixed 3e-3 too, like the authors' scheduler.
 Left out: Muon's distributed variant (the authors ran the single-device one).
+
+Newton–Schulz runs in `ns_dtype`: "bf16" is torch's (and the authors') choice, and with it our step is
+bitwise `torch.optim.Muon`'s (tests/test_optim.py); "fp32" iterates in fp32, for CPUs where bf16 matmuls
+are emulated (~47× slower); "auto" (default) picks between them as `train.precision=auto` does.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch import Tensor
 
+from optquant.errors import OptquantError
 from optquant.optim.groups import ParamGroups
+from optquant.optim.newton_schulz import DTYPES, newton_schulz_many, resolve_ns_dtype
+
+
+def momentum_direction(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """m ← β·m + (1−β)·g (in place on `buf`); returns u = (1−β)·g + β·m if Nesterov, else m."""
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum) if nesterov else buf
+
+
+def lr_scale(adjust_lr: str | None, shape: torch.Size) -> float:
+    """"original": √max(1, rows/cols) (KellerJordan); "match_rms_adamw": 0.2·√max(rows, cols) (Moonshot)."""
+    rows, cols = shape[:2]
+    if adjust_lr in (None, "original"):
+        return math.sqrt(max(1, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols)) if adjust_lr == "match_rms_adamw" else 1.0
+
+
+class Muon(torch.optim.Muon):
+    """`torch.optim.Muon` whose Newton–Schulz runs in each group's `ns_dtype` ("bf16": torch's own step)."""
+
+    def __init__(self, params, ns_dtype: Literal["bf16", "fp32"] = "bf16", **kwargs):
+        if ns_dtype not in DTYPES:
+            raise OptquantError(f"Muon ns_dtype must be bf16 or fp32, got {ns_dtype!r}")
+        super().__init__(params, **kwargs)
+        self.defaults["ns_dtype"] = ns_dtype
+        for group in self.param_groups:
+            group.setdefault("ns_dtype", ns_dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, weight_decay = group["lr"], group["weight_decay"]
+            dtype = DTYPES[group.setdefault("ns_dtype", self.defaults["ns_dtype"])]  # older checkpoints: bf16
+            params = [p for p in group["params"] if p.grad is not None]
+            directions = []
+            for p in params:
+                if p.grad.is_sparse or torch.is_complex(p):
+                    raise OptquantError("Muon supports dense real parameters only")
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                directions.append(momentum_direction(p.grad, state["momentum_buffer"], group["momentum"],
+                                                     group["nesterov"]))
+            updates = newton_schulz_many(directions, group["ns_steps"], dtype, coefficients=group["ns_coefficients"],
+                                         eps=group["eps"])
+            for p, update in zip(params, updates, strict=True):
+                p.mul_(1 - lr * weight_decay)
+                p.add_(update, alpha=-lr * lr_scale(group["adjust_lr_fn"], p.shape))
+        return loss
 
 
 @dataclass(frozen=True)
@@ -37,13 +97,15 @@ class MuonConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-6
+    ns_dtype: Literal["auto", "bf16", "fp32"] = "auto"  # Newton–Schulz; bf16 = torch's; auto = as precision
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         optimizers: list[torch.optim.Optimizer] = []
         if groups.matrices:
             optimizers.append(
-                torch.optim.Muon(
+                Muon(
                     groups.matrices,
+                    ns_dtype=resolve_ns_dtype(self.ns_dtype, groups.matrices),
                     lr=self.lr,
                     weight_decay=self.weight_decay,
                     momentum=self.momentum,

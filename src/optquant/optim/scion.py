@@ -13,18 +13,25 @@ name mean opposite things):
   ℓ∞ ball, sign(d) unscaled: a gain g acts as diag(g), whose RMS→RMS operator norm is max|gᵢ|, so this
   is Scion's own rule applied to gains, and at 3e-3 it moves a gain as far per step as the Muon runs'
   AdamW does. "identity" reproduces upstream `norm_type=8`; "rms" is the library's bias LMO g/rms(g).
+
+The spectral LMO's Newton–Schulz runs in `ns_dtype` (optim/newton_schulz.py, shared with Muon): "bf16" is
+the library's choice and our step is then bitwise the library's; "fp32" is for CPUs without native bf16;
+"auto" (default) decides as `train.precision=auto` does.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from pytorch_optimizer import SCION
-from pytorch_optimizer.optimizer.scion import LMONorm, Norm
+from pytorch_optimizer.optimizer.scion import LMONorm, Norm, Spectral
 
+from optquant.errors import OptquantError
 from optquant.optim.groups import ParamGroups
+from optquant.optim.newton_schulz import DTYPES, newton_schulz, newton_schulz_many, resolve_ns_dtype
 
 GAIN_SIGN = 8  # the authors' norm_type for the vector group
 
@@ -36,16 +43,56 @@ class GainSign(Norm):
         return torch.sign(grad)
 
 
+class NewtonSchulzSpectral(Spectral):
+    """The library's spectral LMO, NS(d)·√(d_out/d_in), with Newton–Schulz in `dtype`; same-shape matrices
+    are orthogonalised as one stack, as the library does."""
+
+    def __init__(self, spectral: Spectral, dtype: torch.dtype):
+        super().__init__(max_scale=spectral.max_scale, normalize=spectral.normalize, num_steps=spectral.num_steps)
+        self.dtype = dtype
+
+    def _scale(self, shape: torch.Size) -> float:
+        scale = math.sqrt(shape[0] / shape[1]) if self.normalize else math.sqrt(shape[0])
+        return max(1.0, scale) if self.max_scale else scale
+
+    def _orthogonalize(self, g: torch.Tensor) -> torch.Tensor:
+        return newton_schulz(g, self.num_steps, self.dtype, memory_format=torch.contiguous_format)
+
+    def lmo(self, grad: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+        return self._orthogonalize(grad.view(len(grad), -1)).view(grad.shape).mul_(self._scale(grad.shape))
+
+    def lmo_foreach(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        mats = [g.reshape(g.size(0), -1) for g in grads]
+        updates = newton_schulz_many(mats, self.num_steps, self.dtype, memory_format=torch.contiguous_format)
+        updates = [u.reshape(g.shape) for u, g in zip(updates, grads, strict=True)]
+        torch._foreach_mul_(updates, [self._scale(g.shape) for g in grads])
+        return updates
+
+
 class Scion(SCION):
-    """`pytorch_optimizer.SCION` where `norm_type=8` means `GainSign`."""
+    """`pytorch_optimizer.SCION` where `norm_type=8` means `GainSign` and the spectral LMO's Newton–Schulz
+    runs in the group's `ns_dtype`."""
+
+    def __init__(self, params, ns_dtype: Literal["bf16", "fp32"] = "bf16", **kwargs):
+        if ns_dtype not in DTYPES:
+            raise OptquantError(f"Scion ns_dtype must be bf16 or fp32, got {ns_dtype!r}")
+        super().__init__(params, **kwargs)
+        self.defaults["ns_dtype"] = ns_dtype
+        for group in self.param_groups:
+            group.setdefault("ns_dtype", ns_dtype)
+
+    def _norm(self, group, norm: Norm) -> Norm:
+        if group["norm_type"] == GAIN_SIGN:
+            return GainSign()
+        if isinstance(norm, Spectral):
+            return NewtonSchulzSpectral(norm, DTYPES[group.setdefault("ns_dtype", self.defaults["ns_dtype"])])
+        return norm
 
     def _step_foreach(self, group, params, grads, norm, ds):
-        norm = GainSign() if group["norm_type"] == GAIN_SIGN else norm
-        return super()._step_foreach(group, params, grads, norm, ds)
+        return super()._step_foreach(group, params, grads, self._norm(group, norm), ds)
 
     def _step_per_param(self, group, norm):
-        norm = GainSign() if group["norm_type"] == GAIN_SIGN else norm
-        return super()._step_per_param(group, norm)
+        return super()._step_per_param(group, self._norm(group, norm))
 
 
 _VECTOR_NORM = {"sign": GAIN_SIGN, "identity": int(LMONorm.NONE), "rms": int(LMONorm.BIAS)}
@@ -66,6 +113,7 @@ class ScionConfig:
     constraint: bool = False  # True: Frank–Wolfe W ← (1−lr)·W − lr·LMO(d), the constrained variant
     scale: float = 1.0  # radius multiplying every LMO
     ns_steps: int = 5
+    ns_dtype: Literal["auto", "bf16", "fp32"] = "auto"  # Newton–Schulz; bf16 = the library's; auto = as precision
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         spec = [
@@ -79,6 +127,7 @@ class ScionConfig:
         return [
             Scion(
                 params,
+                ns_dtype=resolve_ns_dtype(self.ns_dtype, groups.all()),
                 lr=self.lr,
                 momentum=self.momentum,
                 constraint=self.constraint,

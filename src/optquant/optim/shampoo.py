@@ -13,6 +13,8 @@ One step t of one parameter W with gradient G (factors are fp32, like the parame
    chunks of at most `max_preconditioner_dim`; each block is preconditioned on its own.
 2. Factors, every step, for each dim k of a block: F_k ← β2·F_k + (1−β2)·G_(k)·G_(k)ᵀ, where G_(k) is the
    block with dim k first and the other dims flattened. Adam's grafting state: V ← β2·V + (1−β2)·G².
+   β2 = 1 means Adagrad: both become plain sums (weight 1 on the new term) and take no bias correction,
+   as in DistributedShampoo (2025-06), whose Adam grafting at β2 = 1 is Adagrad grafting.
 3. Inverse roots at t = s and at every t > s with t % f = 0 (f = precondition frequency; s = start step,
    -1 meaning s = f): X_k = (F_k/(1−β2^t) + εI)^(−1/(2·order)) by `eigh` — L^(−1/4)·G·R^(−1/4) for
    matrices, full-matrix L^(−1/2)·g for vectors. If fp32 `eigh` fails it is retried in fp64 (counted);
@@ -68,6 +70,14 @@ def update_factors_(factors: list[Tensor], g: Tensor, beta2: float) -> None:
             F.add_(outer)
         else:
             F.mul_(beta2).add_(outer, alpha=1 - beta2)
+
+
+def update_graft_(v: Tensor, g: Tensor, beta2: float) -> None:
+    """Adam's grafting second moment V ← β2·V + (1−β2)·G² (β2 = 1: plain sum, Adagrad grafting)."""
+    if beta2 == 1.0:
+        v.addcmul_(g, g)
+    else:
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
 
 
 def inverse_root(A: Tensor, root: float, eps: float) -> tuple[Tensor, bool]:
@@ -137,7 +147,7 @@ def shampoo_update(p: Tensor, grad: Tensor, state: dict, group: dict) -> Tensor:
     for factors, g in zip(state["factors"], block_views(grad, max_dim), strict=True):
         update_factors_(factors, g, beta2)
     if "graft_v" in state:
-        state["graft_v"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        update_graft_(state["graft_v"], grad, beta2)
     if t == start or (t > start and t % f == 0):
         refresh_roots_(state, bc2, eps)
     m_hat = grad

@@ -124,6 +124,17 @@ class StudyData:
         return {o: str(g["run_id"].iloc[0]) for o, g in df.groupby("optimizer")}
 
     # ---------------------------------------------------------------- per-run files
+    def summary_values(self, kind: str, metric: str, key: str) -> dict[tuple[str, str], str]:
+        """{(size, optimizer): the distinct values of `key` in runs/<run_id>/summary.json over the runs
+        of the selected rows, joined by "/"}; cells where no run records the key are absent."""
+        out = {}
+        for cell, g in self.rows(kind, metric).groupby(["size", "optimizer"]):
+            summaries = (_read_json(self.root / "runs" / str(r) / "summary.json") or {} for r in g["run_id"].unique())
+            values = {str(v) for s in summaries if (v := s.get(key)) is not None}
+            if values:
+                out[cell] = "/".join(sorted(values))
+        return out
+
     def propagation_path(self, run_id: str, scheme: str) -> Path:
         """Where `optquant analyze` wrote a CL model's ABC rows."""
         return self.root / "runs" / run_id / "ptq" / "cl" / scheme / "propagation.parquet"

@@ -416,6 +416,7 @@ def cost_table(d: StudyData) -> Table:
     if not step:
         return _missing("cost", title, "no kind=fp rows with metric mean_step_seconds")
     mem, tps = d.cell("fp", "optimizer_state_bytes"), d.cell("fp", "tokens_per_s")
+    ns = d.summary_values("fp", "mean_step_seconds", "ns_dtype")  # Muon's/Scion's Newton–Schulz dtype
     rows = []
     for s in d.sizes:
         for o in d.optimizers:
@@ -430,13 +431,17 @@ def cost_table(d: StudyData) -> Table:
                     f"{tps[(s, o)]:,.0f}" if (s, o) in tps else "–",
                     fmt_bytes(mem.get((s, o))),
                     _ratio(mem.get((s, o)), mem.get((s, "adamw"))),
+                    ns.get((s, o), "–"),
                 )
             )
     caption = (
         "From results.parquet: kind=fp, metrics mean_step_seconds, tokens_per_s, optimizer_state_bytes, "
-        "averaged over all of the (optimizer, size)'s LR-sweep runs. Timings are on the study's hardware."
+        "averaged over all of the (optimizer, size)'s LR-sweep runs. Timings are on the study's hardware. "
+        "Newton–Schulz: the dtype Muon's and Scion's orthogonalisation ran in (runs/<run_id>/summary.json "
+        "ns_dtype; `auto` picks bf16 only where the hardware multiplies bf16 natively)."
     )
-    cols = ("size", "optimizer", "step time (s)", "× AdamW", "tokens/s", "optimizer state", "× AdamW ")
+    cols = ("size", "optimizer", "step time (s)", "× AdamW", "tokens/s", "optimizer state", "× AdamW ",
+            "Newton–Schulz")
     return Table("cost", title, cols, tuple(rows), caption)
 
 
