@@ -18,6 +18,7 @@ import pandas as pd
 from optquant.analysis import AnalysisConfig, read_result, write_parquet
 from optquant.checkpoint import atomic_write_json
 from optquant.errors import OptquantError
+from optquant.files import read_parquet
 from optquant.metrics.correlate import correlate
 from optquant.runs import read_config, read_summary
 from optquant.scaling import FitConfig, ScalingPoint, fit_joint, fit_laws
@@ -160,7 +161,7 @@ def refit(study_dir: Path, interval: str = "bootstrap") -> dict[str, Any]:
     path = Path(study_dir) / "results.parquet"
     if not path.exists():
         raise OptquantError(f"{study_dir}: no results.parquet (run optquant study first)")
-    df = pd.read_parquet(path)
+    df = read_parquet(path)
     write_parquet(Path(study_dir) / "correlations.parquet", correlations(df))
     out = fits(df, interval)
     atomic_write_json(Path(study_dir) / "fits.json", out)
