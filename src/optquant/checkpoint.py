@@ -5,9 +5,10 @@ the optimizer states and RNG states under `state.<n>`, and the non-tensor struct
 dict keys that are ints) as JSON in the file's metadata. One file means one atomic `os.replace`: a killed
 process leaves either the previous checkpoint or the new one, never half of each.
 
-Temporary files are named `.<name>.<host>.<pid>.<random>.tmp` beside their target and created with the
-process's umask (as every other file), never 0600: a writer removes them when it fails, and a writer
-killed with SIGKILL leaves one that the next write to the same target removes (its pid is dead).
+A file is written in a temporary directory `.<name>.<host>.<pid>.<random>.tmp` beside its target, given
+the mode the umask asks for (never the 0600 of temp files), then renamed into place. A writer removes
+its temporary when it fails; one killed with SIGKILL leaves it, and the next write of the same target
+removes it (its pid is dead).
 """
 
 from __future__ import annotations
@@ -62,27 +63,45 @@ def temp_path(path: Path) -> Path:
     return path.parent / f".{path.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
-def atomic_write(path: Path, write: Any) -> None:
-    """Call `write(tmp)` to create a temporary beside `path`, then rename it over `path` atomically.
+def umask() -> int:
+    """The process's umask, read without changing it where Linux allows (os.umask can only set it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
-    The temporary is removed if anything fails; a full disk is reported as such, naming the file."""
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call `write(tmp)` to create the file at `tmp`, then rename it over `path` atomically.
+
+    `tmp` lies in a private temporary directory beside `path`, so that whatever a writer (or a library
+    under it, like safetensors with its own temporaries) leaves on a kill is one directory with a name
+    the next write recognises and removes. The file gets mode 0o666 & ~umask, like any file the user
+    creates. The temporary is removed if anything fails; a full disk is reported as such, naming the file."""
     path = Path(path)
-    tmp = temp_path(path)
+    tmp_dir = temp_path(path)
+    tmp_dir.mkdir()
+    tmp = tmp_dir / path.name
     try:
         try:
             write(tmp)
         except SafetensorError as e:  # safetensors wraps the OS error (e.g. ENOSPC) in its own type
-            code = re.search(r"code: (\d+)", str(e))
+            code = re.search(r"(?:os error|code:) (\d+)", str(e))
             code = int(code.group(1)) if code else errno.EIO
             raise OSError(code, os.strerror(code), str(path)) from None
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def _write_text(tmp: Path, text: str) -> None:
-    with open(tmp, "x") as f:  # mode 0o666 & ~umask, like any file the user creates
+    with open(tmp, "x") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

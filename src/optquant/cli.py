@@ -283,20 +283,30 @@ def _os_error(e: OSError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _dispatch(argv)
+        finally:
+            sys.stdout.flush()  # here, not at interpreter exit: a reader that left (`| head`) shows up below
+    except BrokenPipeError:  # `optquant report | head`: the reader has what it wanted; stop quietly
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool ended by it
+
+
+def _dispatch(argv: list[str] | None) -> int:
     # torch notes once per process that RMSNorm under bf16 autocast (bf16 input, fp32 gain) is not fused;
     # it is expected and harmless, and would be the first line every user sees
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
-        args = build_parser().parse_args(argv)
-        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                            format="%(levelname)s %(name)s: %(message)s")
         return args.func(args)
     except OptquantError as e:
         print(f"optquant: error: {e}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # `optquant report | head`: the reader left; stop quietly
-        _silence_stdout()
-        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by it
+    except BrokenPipeError:
+        raise
     except OSError as e:  # read-only or full disk, permissions: the path and what to do, on one line
         print(f"optquant: error: {_os_error(e)}", file=sys.stderr)
         return 2
