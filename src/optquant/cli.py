@@ -272,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(message: str) -> str:
+    """`message` on one line: control characters (a newline in a key, a file name) are escaped."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in message)
+
+
 def _os_error(e: OSError) -> str:
     """One line for an OS error: what went wrong, where, and the hint a user needs."""
     where = " → ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
@@ -303,12 +308,12 @@ def _dispatch(argv: list[str] | None) -> int:
     try:
         return args.func(args)
     except OptquantError as e:
-        print(f"optquant: error: {e}", file=sys.stderr)
+        print(f"optquant: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         raise
     except OSError as e:  # read-only or full disk, permissions: the path and what to do, on one line
-        print(f"optquant: error: {_os_error(e)}", file=sys.stderr)
+        print(f"optquant: error: {one_line(_os_error(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("optquant: interrupted; rerun the same command to resume", file=sys.stderr)
