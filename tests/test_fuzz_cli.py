@@ -102,7 +102,7 @@ def _set_case(tmp_path, capsys, preset, pairs):
 SET_PAIRS = st.lists(st.tuples(KEY, VALUES), max_size=4)
 
 
-@_settings(250)
+@_settings(150)
 @given(preset=PRESET, pairs=SET_PAIRS)
 @example(preset="nano", pairs=[("train.steps", "1e400")])
 @example(preset="nano", pairs=[("name", "a\x00b")])
@@ -112,7 +112,7 @@ def test_fuzz_set_overrides(tmp_path, capsys, preset, pairs):
 
 
 @pytest.mark.slow
-@_settings(250 * SLOW)
+@_settings(150 * SLOW)
 @given(preset=PRESET, pairs=SET_PAIRS)
 def test_fuzz_set_overrides_long(tmp_path, capsys, preset, pairs):
     _set_case(tmp_path, capsys, preset, pairs)
@@ -168,7 +168,7 @@ def _toml_case(tmp_path, capsys, content: bytes):
     assert status == 2
 
 
-@_settings(150)
+@_settings(120)
 @given(content=TOML_FILE)
 @example(content=b'preset = [1]\n')
 @example(content='[optim]\nname = "adamw" # caf\xe9\n'.encode("latin-1"))
@@ -178,7 +178,7 @@ def test_fuzz_toml(tmp_path, capsys, content):
 
 
 @pytest.mark.slow
-@_settings(150 * SLOW)
+@_settings(120 * SLOW)
 @given(content=TOML_FILE)
 def test_fuzz_toml_long(tmp_path, capsys, content):
     _toml_case(tmp_path, capsys, content)
@@ -210,14 +210,14 @@ CORPUS = st.tuples(st.sampled_from([".txt", ".jsonl", ".parquet"]),
                                                                         b'{"text": "\xe9"}\n', b"[]\n", b"null\n"])))
 
 
-@_settings(30)
+@_settings(25)
 @given(case=CORPUS)
 def test_fuzz_corpus_bytes(tmp_path, capsys, case):
     _corpus_case(tmp_path, capsys, *case)
 
 
 @pytest.mark.slow
-@_settings(30 * SLOW)
+@_settings(25 * SLOW)
 @given(case=CORPUS)
 def test_fuzz_corpus_bytes_long(tmp_path, capsys, case):
     _corpus_case(tmp_path, capsys, *case)
@@ -289,14 +289,14 @@ def _file_case(tmp_path, capsys, real_files, target: str, content):
     assert sorted(p.name for p in work.iterdir()) == before, "a new run directory appeared"
 
 
-@_settings(40)
+@_settings(25)
 @given(case=FILE_CASE)
 def test_fuzz_run_and_study_files(tmp_path, capsys, real_files, case):
     _file_case(tmp_path, capsys, real_files, *case)
 
 
 @pytest.mark.slow
-@_settings(40 * SLOW)
+@_settings(25 * SLOW)
 @given(case=FILE_CASE)
 def test_fuzz_run_and_study_files_long(tmp_path, capsys, real_files, case):
     _file_case(tmp_path, capsys, real_files, *case)

@@ -139,7 +139,13 @@ def _user_files(source: Path) -> list[SourceFile]:
 
 def corpus_files(cfg: DataConfig) -> list[SourceFile]:
     """The files that make up the corpus, in reading order."""
-    return _embedded_files() if cfg.source == "embedded" else _user_files(Path(cfg.source).expanduser())
+    if cfg.source == "embedded":
+        return _embedded_files()
+    try:
+        source = Path(cfg.source).expanduser()
+    except RuntimeError as e:  # "~nosuchuser/..."
+        raise OptquantError(f"data.source={cfg.source}: {e}") from None
+    return _user_files(source)
 
 
 def _kjv_documents(db: Path) -> list[Document]:
