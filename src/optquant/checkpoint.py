@@ -96,6 +96,10 @@ def atomic_write(path: Path, write: Any) -> None:
             raise OSError(code, os.strerror(code), str(path)) from None
         os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is not None and str(tmp_dir) in str(e.filename):  # name the file the user knows
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 

@@ -174,7 +174,8 @@ def _study(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace) -> int:
     from optquant.study.results import refit
 
-    fits = refit(args.study_dir, args.interval)
+    with _study_files(args.study_dir):
+        fits = refit(args.study_dir, args.interval)
     for opt, fit in fits["per_optimizer"].items():
         print(f"{opt:8s} rho_4bit={fit['rho'].get('4bit', float('nan')):.3f}  E={fit['E']:.3f}  "
               f"alpha={fit['alpha']:.3f}  A={fit['A']:.4g}")
@@ -184,14 +185,26 @@ def _fit(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _study_files(study_dir: Path):
+    """Readable files of the wrong shape (a list where a table belongs, a missing column) are bad input."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise OptquantError(f"{study_dir}: a study file does not have the layout optquant writes "
+                            f"({type(e).__name__}: {e}); rerun optquant study to rewrite it") from None
+
+
 def _report(args: argparse.Namespace) -> int:
     from optquant.report import render_report, report_markdown
 
     if not any((Path(args.study_dir) / f).is_file() for f in ("study.json", "results.parquet")):
         raise OptquantError(f"{args.study_dir}: not a study directory (no study.json or results.parquet; "
                             "run optquant study first)")
-    path = render_report(args.study_dir)
-    print(report_markdown(args.study_dir))
+    with _study_files(args.study_dir):
+        path = render_report(args.study_dir)
+        markdown = report_markdown(args.study_dir)
+    print(markdown)
     print(f"report: {path}")
     return 0
 

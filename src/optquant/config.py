@@ -125,7 +125,7 @@ def _parse(value: str, tp: Any, path: str) -> Any:
             number = tp(float(value)) if tp is int and float(value).is_integer() else tp(value)
         except (ValueError, OverflowError):
             raise OptquantError(f"--set {path}={value}: expected a number ({tp.__name__})") from None
-        if not math.isfinite(number):
+        if isinstance(number, float) and not math.isfinite(number):
             raise OptquantError(f"--set {path}={value}: must be a finite number")
         return number
     if tp is str:
@@ -184,7 +184,7 @@ def _check_type(value: Any, tp: Any, path: str) -> None:
         return
     if tp is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
-        if ok and not math.isfinite(value):
+        if ok and not (math.isfinite(value) if isinstance(value, float) else abs(value) < 2**1000):
             raise OptquantError(f"{path}={value}: must be a finite number")
     elif tp is int:
         ok = isinstance(value, int) and not isinstance(value, bool)

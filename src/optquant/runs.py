@@ -58,7 +58,7 @@ def write_config(path: Path, cfg: RunConfig) -> None:
 
 def read_config(path: Path) -> RunConfig:
     record = read_json(Path(path) / "config.json")
-    if "config" not in record:
+    if not isinstance(record, dict) or "config" not in record:
         raise OptquantError(f"{path}/config.json: not an optquant run record")
     return from_dict(record["config"], f"{path}/config.json")
 
