@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +23,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from optquant.checkpoint import atomic_write_json, load_weights, read_json
+from optquant.checkpoint import atomic_write, atomic_write_json, load_weights, read_json
 from optquant.config import RunConfig
 from optquant.data import fixed_batches, load_tokens
 from optquant.errors import OptquantError
@@ -147,11 +145,7 @@ def _gptq_calib(cfg: RunConfig, data, acfg: AnalysisConfig) -> torch.Tensor:
 
 
 def write_parquet(path: Path, df: pd.DataFrame) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    df.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
 
 
 def read_result(run_dir: Path, acfg: AnalysisConfig, scheme: str, what: str) -> dict | None:

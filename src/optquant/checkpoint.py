@@ -4,13 +4,23 @@ A training checkpoint is ONE safetensors file: the model's tensors under `model.
 the optimizer states and RNG states under `state.<n>`, and the non-tensor structure (numbers, strings,
 dict keys that are ints) as JSON in the file's metadata. One file means one atomic `os.replace`: a killed
 process leaves either the previous checkpoint or the new one, never half of each.
+
+A file is written in a temporary directory `.<name>.<host>.<pid>.<random>.tmp` beside its target, given
+the mode the umask asks for (never the 0600 of temp files), then renamed into place. A writer removes
+its temporary when it fails; one killed with SIGKILL leaves it, and the next write of the same target
+removes it (its pid is dead).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
-import tempfile
+import re
+import secrets
+import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +32,115 @@ from torch import Tensor, nn
 from optquant.errors import OptquantError
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temps(path: Path) -> None:
+    """Remove temporaries for `path` left by killed writers on this host (their pid no longer runs)."""
+    path = Path(path)
+    prefix = f".{path.name}.{socket.gethostname()}."
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        rest = tmp.name[len(prefix):].split(".") if tmp.name.startswith(prefix) else []
+        if len(rest) == 3 and rest[0].isdigit() and not _pid_alive(int(rest[0])):
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+
+
+def temp_path(path: Path) -> Path:
+    """A fresh temporary name beside `path` (not created); stale ones of dead writers are removed first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
+    remove_stale_temps(path)
+    return path.parent / f".{path.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux allows (os.umask can only set it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call `write(tmp)` to create the file at `tmp`, then rename it over `path` atomically.
+
+    `tmp` lies in a private temporary directory beside `path`, so that whatever a writer (or a library
+    under it, like safetensors with its own temporaries) leaves on a kill is one directory with a name
+    the next write recognises and removes. The file gets mode 0o666 & ~umask, like any file the user
+    creates. The temporary is removed if anything fails; a full disk is reported as such, naming the file."""
+    path = Path(path)
+    tmp_dir = temp_path(path)
+    tmp_dir.mkdir()
+    tmp = tmp_dir / path.name
+    try:
+        try:
+            write(tmp)
+        except SafetensorError as e:  # safetensors wraps the OS error (e.g. ENOSPC) in its own type
+            code = re.search(r"(?:os error|code:) (\d+)", str(e))
+            code = int(code.group(1)) if code else errno.EIO
+            raise OSError(code, os.strerror(code), str(path)) from None
+        os.chmod(tmp, 0o666 & ~umask())
+        os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is not None and str(tmp_dir) in str(e.filename):  # name the file the user knows
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _write_text(tmp: Path, text: str) -> None:
+    with open(tmp, "x") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda tmp: _write_text(tmp, text))
+
+
+def finite_json(obj: Any) -> Any:
+    """`obj` with every NaN/±inf float replaced by None: JSON has no such numbers (json.dumps would
+    write `Infinity`, which strict parsers reject)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_json(v) for v in obj]
+    return obj
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    text = json.dumps(finite_json(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
+    atomic_write_text(path, text + "\n")
 
 
 def read_json(path: Path) -> Any:
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise OptquantError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise OptquantError(f"{path}: is a directory, not a JSON file") from None
+    except UnicodeDecodeError as e:
+        raise OptquantError(f"{path}: not valid JSON (not UTF-8: {e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise OptquantError(f"{path}: not valid JSON ({e})") from None
 
@@ -91,12 +190,7 @@ def save_checkpoint(path: Path, model: nn.Module, state: dict[str, Any]) -> None
     tensors: dict[str, Tensor] = {}
     structure = _flatten(state, tensors)
     tensors.update({f"model.{k}": v for k, v in model_tensors(model).items()})
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    save_file(tensors, tmp, metadata={"structure": json.dumps(structure)})
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"structure": json.dumps(structure)}))
 
 
 def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -146,12 +240,8 @@ def _is_tied_alias(model: nn.Module, name: str, tensors: dict[str, Tensor]) -> b
 
 def save_weights(path: Path, model: nn.Module, metadata: dict[str, str] | None = None) -> None:
     """The model's weights alone (final or CL model), atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    save_file(model_tensors(model), tmp, metadata=metadata or {})
-    os.replace(tmp, path)
+    tensors = model_tensors(model)
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata or {}))
 
 
 def load_weights(path: Path, model: nn.Module) -> nn.Module:

@@ -6,11 +6,14 @@ Bad input raises OptquantError anywhere below; main() prints it as one line and 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
 import sys
+import typing
 import warnings
 from pathlib import Path
 
@@ -40,18 +43,16 @@ def _train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from optquant.config import resolve
-    from optquant.runs import run_dir
+    from optquant.runs import locked, read_summary, run_dir
     from optquant.train import train
 
     cfg = resolve(args.preset, args.config, args.set or [])
     path = run_dir(args.out, cfg)
-    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 talks and deletes
-    if args.force and path.exists() and main_rank:
-        shutil.rmtree(path)  # the other ranks wait for this in train()'s process-group barrier
-    if (path / "summary.json").exists() and not args.force:
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 talks, locks and deletes
+    if not args.force and (done := read_summary(path)) is not None:
         if main_rank:
             print(f"{path}: already done (use --force to retrain)")
-            print((path / "summary.json").read_text())
+            print(json.dumps(done, indent=2))
         return 0
     bar = tqdm(total=None, desc=path.name, unit="step", dynamic_ncols=True, disable=args.quiet or not main_rank)
 
@@ -60,12 +61,30 @@ def _train(args: argparse.Namespace) -> int:
         bar.update(info["step"] - bar.n)
         bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{info['tokens_per_s']:.0f}")
 
-    summary = train(cfg, path, on_step=on_step)
+    with locked(path, wait=False) if main_rank else contextlib.nullcontext():
+        if args.force and main_rank:
+            _clear_run(path)  # the other ranks wait for this in train()'s process-group barrier
+        summary = train(cfg, path, on_step=on_step)
     bar.close()
     if main_rank:
         print(json.dumps(summary, indent=2))
         print(f"run directory: {path}")
+        if summary["status"] == "diverged":
+            print(f"optquant: {path.name} diverged at step {summary['diverged_step']}: "
+                  f"{summary.get('diverged_reason')}", file=sys.stderr)
     return 0 if summary["status"] == "done" else 3
+
+
+def _clear_run(path: Path) -> None:
+    """Everything in a run directory but its lock (held by this process)."""
+    for child in path.iterdir():
+        if child.name != ".lock":
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+
+
+def _check_run_dir(path: Path) -> None:
+    if not (Path(path) / "config.json").is_file():
+        raise OptquantError(f"{path}: not a run directory (no config.json; give a directory made by optquant train)")
 
 
 def _ptq_config(args: argparse.Namespace):
@@ -84,9 +103,12 @@ def _analysis_config(args: argparse.Namespace):
 
 def _ptq(args: argparse.Namespace) -> int:
     from optquant.analysis import out_dir, ptq_eval
+    from optquant.runs import locked
 
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
-    result = ptq_eval(args.run_dir, qcfg, acfg)
+    _check_run_dir(args.run_dir)
+    with locked(out_dir(args.run_dir, acfg, qcfg.name), wait=False):
+        result = ptq_eval(args.run_dir, qcfg, acfg)
     print(json.dumps(result, indent=2))
     print(f"written: {out_dir(args.run_dir, acfg, qcfg.name)}/summary.json")
     return 0
@@ -94,9 +116,12 @@ def _ptq(args: argparse.Namespace) -> int:
 
 def _analyze(args: argparse.Namespace) -> int:
     from optquant.analysis import analyze, out_dir
+    from optquant.runs import locked
 
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
-    result = analyze(args.run_dir, qcfg, acfg)
+    _check_run_dir(args.run_dir)
+    with locked(out_dir(args.run_dir, acfg, qcfg.name), wait=False):
+        result = analyze(args.run_dir, qcfg, acfg)
     print(json.dumps(result, indent=2))
     print(f"written: {out_dir(args.run_dir, acfg, qcfg.name)}/{{analysis.json,outliers.parquet,"
           "propagation.parquet}")
@@ -120,6 +145,9 @@ def _study(args: argparse.Namespace) -> int:
     start = time.time()
 
     def on_event(event: dict) -> None:
+        if event["event"] == "warning":
+            bar.write(f"optquant: warning: {event['message']}", file=sys.stderr)
+            return
         if event["event"] == "stage":
             bar.set_description(event["stage"])
             if bar.n + event["jobs"] > bar.total:  # grid extensions add jobs the estimate did not know
@@ -151,7 +179,8 @@ def _verdict(fit: dict) -> str:
 def _fit(args: argparse.Namespace) -> int:
     from optquant.study.results import refit
 
-    fits = refit(args.study_dir, args.interval)
+    with _study_files(args.study_dir):
+        fits = refit(args.study_dir, args.interval)
     for opt, fit in fits["per_optimizer"].items():
         print(f"{opt:8s} rho_4bit={fit['rho'].get('4bit', float('nan')):.3f}  E={fit['E']:.3f}  "
               f"alpha={fit['alpha']:.3f}  A={fit['A']:.4g}  {_verdict(fit)}")
@@ -164,13 +193,28 @@ def _fit(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _study_files(study_dir: Path):
+    """Readable files of the wrong shape (a list where a table belongs, a missing column) are bad input."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise OptquantError(f"{study_dir}: a study file does not have the layout optquant writes "
+                            f"({type(e).__name__}: {e}); rerun optquant study to rewrite it") from None
+
+
 def _report(args: argparse.Namespace) -> int:
     from optquant.report import render_report, report_markdown
 
-    if args.markdown:  # the headline tables for the README, from the same Table objects as the HTML page
-        print(report_markdown(args.study_dir))
-        return 0
-    print(f"report: {render_report(args.study_dir)}")
+    if not any((Path(args.study_dir) / f).is_file() for f in ("study.json", "results.parquet")):
+        raise OptquantError(f"{args.study_dir}: not a study directory (no study.json or results.parquet; "
+                            "run optquant study first)")
+    with _study_files(args.study_dir):
+        if args.markdown:  # the headline tables for the README, from the same Table objects as the HTML page
+            print(report_markdown(args.study_dir))
+            return 0
+        path = render_report(args.study_dir)
+    print(f"report: {path}")
     return 0
 
 
@@ -191,8 +235,15 @@ def _add_quant_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mc-items", type=int, default=200, help="multiple-choice items (0 = skip)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the usage itself is one `--help` away)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="optquant",
         description="How does the optimizer change a language model's robustness to quantization? "
         "Train LMs with six optimizers, quantize them, measure outliers and error propagation.",
@@ -245,21 +296,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(message: str) -> str:
+    """`message` on one line: control characters (a newline in a key, a file name) are escaped."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in message)
+
+
+def _os_error(e: OSError) -> str:
+    """One line for an OS error: what went wrong, where, and the hint a user needs."""
+    where = " → ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    hint = {errno.ENOSPC: " (the disk is full: free space and rerun; finished work is kept)",
+            errno.EROFS: " (choose a writable directory, e.g. with --out)",
+            errno.EACCES: " (check the permissions, or choose another directory)",
+            errno.EDQUOT: " (disk quota exceeded: free space and rerun; finished work is kept)"}.get(e.errno, "")
+    return f"{where}: {e.strerror or e}{hint}" if where else f"{e.strerror or e}{hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        try:
+            return _dispatch(argv)
+        finally:
+            sys.stdout.flush()  # here, not at interpreter exit: a reader that left (`| head`) shows up below
+    except BrokenPipeError:  # `optquant report | head`: the reader has what it wanted; stop quietly
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool ended by it
+
+
+def _dispatch(argv: list[str] | None) -> int:
     # torch notes once per process that RMSNorm under bf16 autocast (bf16 input, fp32 gain) is not fused;
     # it is expected and harmless, and would be the first line every user sees
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except OptquantError as e:
-        print(f"optquant: error: {e}", file=sys.stderr)
+        print(f"optquant: error: {one_line(str(e))}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        raise
+    except OSError as e:  # read-only or full disk, permissions: the path and what to do, on one line
+        print(f"optquant: error: {one_line(_os_error(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("optquant: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a descriptor
+        pass
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 import tomllib
 import types
 import typing
@@ -46,6 +48,9 @@ class TrainConfig:
     cl_eval_every: int = 0  # while the CL is not reached: also evaluate every this many steps (0 = off)
     cl_eval_from: int = 0  # ... from this step on (the last regular evaluation before the crossing)
     keep_history: bool = False  # keep the checkpoint of every evaluation in history/ (a study's LR sweep)
+    # Diverged: a NaN/inf loss, or a train or validation loss above diverge_factor × ln(vocab_size), the loss
+    # of a uniform guess (where every run starts). 0 = only NaN/inf counts.
+    diverge_factor: float = 3.0
 
 
 @dataclass(frozen=True)
@@ -123,14 +128,136 @@ def parse_value(value: str, tp: Any, path: str) -> Any:
         raise OptquantError(f"--set {path}={value}: expected true or false")
     if tp in (int, float):
         try:
-            return tp(float(value)) if tp is int and float(value).is_integer() else tp(value)
-        except ValueError:
+            number = tp(float(value)) if tp is int and float(value).is_integer() else tp(value)
+        except (ValueError, OverflowError):
             raise OptquantError(f"--set {path}={value}: expected a number ({tp.__name__})") from None
+        if isinstance(number, float) and not math.isfinite(number):
+            raise OptquantError(f"--set {path}={value}: must be a finite number")
+        return number
     if tp is str:
         return value
     if origin in (tuple, list):
         return tp(parse_value(v.strip(), args[0], path) for v in value.strip("()[]").split(",") if v.strip())
     raise OptquantError(f"--set {path}: cannot set a field of type {tp}")
+
+
+# --- validation: every field's type and range, checked whenever a config is built ----------------
+
+# (low, high, low inclusive, high inclusive) by field name; a `<section>.<field>` or `<optimizer>.<field>`
+# entry wins over the bare name. Fields not listed only have their type checked.
+_POS = (0.0, math.inf, False, False)
+_NONNEG = (0.0, math.inf, True, False)
+_ONE_UP = (1, math.inf, True, False)
+_UNIT = (0.0, 1.0, True, False)
+_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    **dict.fromkeys(("lr", "adam_lr", "embed_lr", "vector_lr", "precondition_lr", "eps", "adam_eps", "scale",
+                     "rope_base", "init_std", "cl_threshold"), _POS),
+    **dict.fromkeys(("weight_decay", "tokens_per_param", "steps", "diverge_factor", "split_seed", "cl_eval_every",
+                     "cl_eval_from"), _NONNEG),
+    **dict.fromkeys(("batch_size", "grad_accum", "eval_every", "eval_batches", "ns_steps", "precondition_frequency",
+                     "n_layer", "d_model", "n_head", "n_kv_head", "mlp_ratio", "max_size_triangular",
+                     "min_ndim_triangular", "max_preconditioner_dim", "max_precondition_dim"), _ONE_UP),
+    **dict.fromkeys(("momentum", "shampoo_beta", "warmup_frac", "decay_frac"), _UNIT),
+    **dict.fromkeys(("update_prob", "balance_prob", "scion.momentum"), (0.0, 1.0, False, True)),
+    "seed": (0, 2**31 - 1, True, True),  # numpy seeds must fit 32 bits; offsets are added to it
+    "seq_len": (2, math.inf, True, False),
+    "vocab_size": (257, 2**31 - 1, True, True),
+    "start_preconditioning_step": (-1, math.inf, True, False),
+}
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+def _check_type(value: Any, tp: Any, path: str) -> None:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(value, arg, path)
+            except OptquantError as e:
+                errors.append(str(e))
+        raise OptquantError(errors[0] if errors else f"{path}: None is not allowed")
+    if origin is Literal:
+        if value not in args or type(value) is not type(args[args.index(value)]):
+            raise OptquantError(f"{path}={value!r}: choose one of {', '.join(map(str, args))}")
+        return
+    if origin in (tuple, list):
+        if not isinstance(value, tuple | list):
+            raise OptquantError(f"{path}={value!r}: expected a list")
+        for v in value:
+            _check_type(v, args[0], path)
+        return
+    if tp is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if ok and not (math.isfinite(value) if isinstance(value, float) else abs(value) < 2**1000):
+            raise OptquantError(f"{path}={value}: must be a finite number")
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is str:
+        ok = isinstance(value, str)
+        if ok and "\0" in value:
+            raise OptquantError(f"{path}: contains a NUL character")
+    elif tp is bool:
+        ok = isinstance(value, bool)
+    elif is_dataclass(tp):
+        ok = isinstance(value, tp)
+    else:
+        ok = True
+    if not ok:
+        raise OptquantError(f"{path}={value!r}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__}")
+
+
+def _check_range(value: Any, keys: tuple[str, ...], path: str) -> None:
+    rule = next((_RANGES[k] for k in keys if k in _RANGES), None)
+    if rule is None or value is None or isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    lo, hi, lo_in, hi_in = rule
+    if (value < lo or (value == lo and not lo_in)) or (value > hi or (value == hi and not hi_in)):
+        interval = f"{'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+        raise OptquantError(f"{path}={value}: must be in {interval}")
+
+
+def _check_fields(obj: Any, section: str, owner: str) -> None:
+    for f in fields(obj):
+        value, tp = getattr(obj, f.name), _field_types(type(obj))[f.name]
+        path = f"{section}.{f.name}" if section else f.name
+        if f.name == "optim" and not section:
+            if type(value) not in OPTIMIZERS.values():
+                raise OptquantError(f"optim: not an optimizer config ({type(value).__name__})")
+        else:
+            _check_type(value, tp, path)
+        if is_dataclass(value):
+            _check_fields(value, path, getattr(value, "name", f.name) if f.name == "optim" else f.name)
+        else:
+            _check_range(value, (f"{owner}.{f.name}", f"{section}.{f.name}", f.name), path)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Check every field of `cfg` for type and range, and the fields' mutual constraints; returns it.
+
+    Runs whenever a config is built (presets, TOML, --set, config.json), so bad input fails before a run
+    directory exists."""
+    _check_fields(cfg, "", "")
+    if not _NAME.fullmatch(cfg.name):
+        raise OptquantError(f"name={cfg.name!r}: use letters, digits and . _ + - (it names the run directory)")
+    tc = cfg.train
+    if tc.batch_size % tc.grad_accum:
+        raise OptquantError(f"train.batch_size={tc.batch_size} is not divisible by train.grad_accum={tc.grad_accum}")
+    if tc.steps == 0 and tc.tokens_per_param == 0:
+        raise OptquantError("train.steps=0 and train.tokens_per_param=0: set a step count or a token budget")
+    if tc.warmup_frac + tc.decay_frac > 1:
+        raise OptquantError(f"train.warmup_frac + train.decay_frac = {tc.warmup_frac + tc.decay_frac} exceeds 1")
+    if 0 < tc.diverge_factor <= 1:
+        raise OptquantError(f"train.diverge_factor={tc.diverge_factor}: must be above 1 (× ln vocab), or 0 = off")
+    if not cfg.data.source or not cfg.data.text_field:
+        raise OptquantError("data.source and data.text_field must not be empty")
+    try:
+        cfg.model.validate()
+    except ValueError as e:
+        raise OptquantError(str(e)) from None
+    return cfg
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -148,8 +275,6 @@ def set_field(cfg: Any, keys: list[str], value: str, path: str) -> Any:
     if len(keys) == 1:
         return replace(cfg, **{key: parse_value(value, types_[key], path)})
     return replace(cfg, **{key: set_field(getattr(cfg, key), keys[1:], value, path)})
-
-
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
@@ -175,7 +300,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         if key.startswith("qat.") and cfg.qat is None:
             cfg = replace(cfg, qat=QATConfig())
         cfg = set_field(cfg, key.split("."), value, key)
-    return cfg
+    return validate(cfg)
 
 
 def _flatten_toml(table: dict, prefix: str = "") -> list[str]:
@@ -191,12 +316,18 @@ def _flatten_toml(table: dict, prefix: str = "") -> list[str]:
 def load_toml(path: Path) -> tuple[str | None, list[str]]:
     """(preset, overrides) from a TOML run file."""
     try:
-        table = tomllib.loads(Path(path).read_text())
+        table = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise OptquantError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise OptquantError(f"{path}: is a directory, not a TOML file") from None
+    except UnicodeDecodeError as e:
+        raise OptquantError(f"{path}: invalid TOML (not UTF-8: {e.reason} at byte {e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise OptquantError(f"{path}: invalid TOML ({e})") from None
     preset = table.pop("preset", None)
+    if preset is not None and not isinstance(preset, str):
+        raise OptquantError(f"{path}: preset must be a string, got {preset!r}")
     return preset, _flatten_toml(table)
 
 
@@ -223,15 +354,26 @@ def _build(cls: type, data: dict, path: str) -> Any:
 
 def from_dict(data: dict, path: str = "config") -> RunConfig:
     """Rebuild a RunConfig from `to_dict` output (e.g. a run's config.json)."""
+    if not isinstance(data, dict):
+        raise OptquantError(f"{path}: not a run config (a JSON object)")
     data = dict(data)
     optim = data.pop("optim", None) or {}
     qat = data.pop("qat", None)
-    cfg = _build(RunConfig, data, path)
-    name = optim.get("name", "adamw")
-    if name not in OPTIMIZERS:
-        raise OptquantError(f"{path}: unknown optimizer {name!r}")
-    return replace(
-        cfg,
-        optim=_build(OPTIMIZERS[name], optim, path),
-        qat=None if qat is None else _build(QATConfig, qat, path),
-    )
+    if not isinstance(optim, dict) or not (qat is None or isinstance(qat, dict)):
+        raise OptquantError(f"{path}: optim and qat must be tables")
+    try:
+        cfg = _build(RunConfig, data, path)
+        name = optim.get("name", "adamw")
+        if name not in OPTIMIZERS:
+            raise OptquantError(f"{path}: unknown optimizer {name!r}")
+        cfg = replace(
+            cfg,
+            optim=_build(OPTIMIZERS[name], optim, path),
+            qat=None if qat is None else _build(QATConfig, qat, path),
+        )
+    except (TypeError, ValueError) as e:
+        raise OptquantError(f"{path}: not a valid run config ({e})") from None
+    try:
+        return validate(cfg)
+    except OptquantError as e:
+        raise OptquantError(f"{path}: {e}") from None

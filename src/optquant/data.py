@@ -34,7 +34,6 @@ import re
 import shutil
 import sqlite3
 import sysconfig
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ import tokenizers
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from optquant.checkpoint import temp_path
 from optquant.errors import OptquantError
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,13 @@ def _user_files(source: Path) -> list[SourceFile]:
 
 def corpus_files(cfg: DataConfig) -> list[SourceFile]:
     """The files that make up the corpus, in reading order."""
-    return _embedded_files() if cfg.source == "embedded" else _user_files(Path(cfg.source).expanduser())
+    if cfg.source == "embedded":
+        return _embedded_files()
+    try:
+        source = Path(cfg.source).expanduser()
+    except RuntimeError as e:  # "~nosuchuser/..."
+        raise OptquantError(f"data.source={cfg.source}: {e}") from None
+    return _user_files(source)
 
 
 def _kjv_documents(db: Path) -> list[Document]:
@@ -183,6 +189,13 @@ def _read_txt(path: Path, field: str) -> list[str | None]:
 
 
 def _read_jsonl(path: Path, field: str) -> list[str | None]:
+    try:
+        return _jsonl_texts(path, field)
+    except UnicodeDecodeError as e:
+        raise OptquantError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _jsonl_texts(path: Path, field: str) -> list[str | None]:
     texts: list[str | None] = []
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
@@ -205,12 +218,18 @@ def _read_parquet(path: Path, field: str) -> list[str | None]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pq.read_schema(path)
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as e:
+        raise OptquantError(f"{path} is not a readable parquet file ({str(e).splitlines()[0]})") from None
     if field not in schema.names:
         raise OptquantError(
             f"{path} has no column {field!r} (columns: {', '.join(schema.names)}; set data.text_field)"
         )
-    column = pq.read_table(path, columns=[field]).column(field)
+    try:
+        column = pq.read_table(path, columns=[field]).column(field)
+    except (pa.ArrowException, OSError) as e:
+        raise OptquantError(f"{path} is not a readable parquet file ({str(e).splitlines()[0]})") from None
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise OptquantError(f"{path}: column {field!r} has type {column.type}, not string")
     return column.to_pylist()
@@ -336,13 +355,16 @@ def _build(tmp: Path, files: list[SourceFile], cfg: DataConfig, vocab_size: int)
 
 
 def _open(entry: Path, key: str) -> TokenData:
-    meta = json.loads((entry / "meta.json").read_text())
-    arrays = {
-        s: np.memmap(entry / f"{s}.bin", dtype=meta["dtype"], mode="r", shape=(meta["tokens"][s],))
-        for s in ("train", "val")
-    }
-    tok = Tokenizer.from_file(str(entry / "tokenizer.json"))
-    return TokenData(arrays["train"], arrays["val"], meta["vocab_size"], tok, meta["eot_id"], key)
+    try:
+        meta = json.loads((entry / "meta.json").read_text(encoding="utf-8"))
+        arrays = {
+            s: np.memmap(entry / f"{s}.bin", dtype=meta["dtype"], mode="r", shape=(meta["tokens"][s],))
+            for s in ("train", "val")
+        }
+        tok = Tokenizer.from_file(str(entry / "tokenizer.json"))
+        return TokenData(arrays["train"], arrays["val"], meta["vocab_size"], tok, meta["eot_id"], key)
+    except Exception as e:  # noqa: BLE001 - any damage to a cache entry is the same advice
+        raise OptquantError(f"corrupt token cache entry {entry} ({type(e).__name__}: {e}): delete it") from None
 
 
 def load_tokens(cfg: DataConfig, vocab_size: int) -> TokenData:
@@ -355,8 +377,9 @@ def load_tokens(cfg: DataConfig, vocab_size: int) -> TokenData:
         log.info("token cache hit %s", entry)
         return _open(entry, key)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+    tmp = temp_path(entry)  # a killed build's directory is removed by the next build
     try:
+        tmp.mkdir()
         _build(tmp, files, cfg, vocab_size)
         try:
             os.replace(tmp, entry)  # atomic: the entry appears complete or not at all

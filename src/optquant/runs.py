@@ -7,13 +7,20 @@
       cl_model.safetensors    the model that first reached the Common Loss threshold, if asked
       model.safetensors the final weights
       summary.json      written last and atomically: its presence means the run is done
+      .lock             one writer at a time (fcntl, released when its process dies); holds who has it
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
-import json
+import os
+import socket
 import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +30,7 @@ import optquant
 from optquant.checkpoint import atomic_write_json, read_json
 from optquant.config import RunConfig, from_dict, run_id, to_dict
 from optquant.errors import OptquantError
+from optquant.files import parse_metrics
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,18 +58,62 @@ def write_config(path: Path, cfg: RunConfig) -> None:
 
 def read_config(path: Path) -> RunConfig:
     record = read_json(Path(path) / "config.json")
-    if "config" not in record:
+    if not isinstance(record, dict) or "config" not in record:
         raise OptquantError(f"{path}/config.json: not an optquant run record")
     return from_dict(record["config"], f"{path}/config.json")
 
 
 def read_summary(path: Path) -> dict[str, Any] | None:
+    """A finished run's summary, or None; a damaged summary.json is an error (never shown as a result)."""
     summary = Path(path) / "summary.json"
-    return read_json(summary) if summary.exists() else None
+    if not summary.exists():
+        return None
+    record = read_json(summary)
+    if not isinstance(record, dict) or record.get("status") not in ("done", "diverged"):
+        raise OptquantError(f"{summary}: not an optquant run summary; delete it (or use --force) to retrain")
+    return record
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    metrics = Path(path) / "metrics.jsonl"
-    if not metrics.exists():
-        return []
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return parse_metrics(Path(path) / "metrics.jsonl")
+
+
+def _holder(lock: Path) -> str:
+    try:
+        text = lock.read_text(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "another process"
+
+
+@contextlib.contextmanager
+def locked(path: Path, wait: bool = True) -> Iterator[None]:
+    """Hold `path`/.lock: the one writer of a run (or PTQ) directory. `wait=False` (the CLI) raises at
+    once, naming the holder; study jobs wait. The lock dies with its process. A directory this call
+    created is removed again if the body fails with bad input before writing anything into it."""
+    path = Path(path)
+    created = [d for d in (path, *path.parents) if not d.exists()]  # innermost first
+    path.mkdir(parents=True, exist_ok=True)
+    lock = path / ".lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise OptquantError(f"{path} is in use by {_holder(lock)}; wait for it to finish, "
+                                "or stop that process") from None
+        os.ftruncate(fd, 0)
+        who = f"pid {os.getpid()} on {socket.gethostname()} ({' '.join(['optquant', *sys.argv[1:]])[:200]}, " \
+              f"since {time.strftime('%Y-%m-%d %H:%M:%S')})"
+        os.pwrite(fd, who.encode(), 0)
+        try:
+            yield
+        except OptquantError:
+            if created and {p.name for p in path.iterdir()} <= {".lock"}:  # nothing written: leave no trace
+                lock.unlink(missing_ok=True)
+                for d in created:
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
+            raise
+    finally:
+        os.close(fd)  # releases the lock

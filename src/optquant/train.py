@@ -7,7 +7,8 @@ damage). Beyond it: a checkpoint at every evaluation with everything needed to r
 a killed-and-resumed run ends bitwise where an uninterrupted one does), optionally kept for every
 evaluation (`keep_history`); a Common Loss checkpoint (the first evaluation at or below
 `train.cl_threshold`, with fine evaluations every `cl_eval_every` steps from `cl_eval_from` on, so the
-crossing is found to a few steps); and a NaN/inf loss recorded as a diverged run rather than a crash.
+crossing is found to the step); and divergence recorded (status, step, reason) rather than a crash: a
+NaN/inf loss, or a loss above `train.diverge_factor` × ln(vocab_size), the loss of a uniform guess.
 Distributed data parallel is used when launched under torchrun (WORLD_SIZE > 1).
 """
 
@@ -30,15 +31,15 @@ import torch
 from torch import nn
 
 from optquant import distributed as dist
-from optquant.checkpoint import atomic_write_json, load_checkpoint, save_checkpoint, save_weights
-from optquant.config import RunConfig, TrainConfig
+from optquant.checkpoint import atomic_write_json, atomic_write_text, load_checkpoint, save_checkpoint, save_weights
+from optquant.config import RunConfig, TrainConfig, validate
 from optquant.data import check_enough, fixed_batches, get_batch, load_tokens
 from optquant.device import use_bf16
 from optquant.errors import OptquantError
 from optquant.evaluate import val_loss
 from optquant.model import LM, count_params, lm_loss
 from optquant.optim import build_optimizers, ns_dtype, state_bytes
-from optquant.runs import read_summary, write_config
+from optquant.runs import parse_metrics, read_summary, write_config
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         dist.teardown(ctx)
         return done
     device = ctx.device
-    if ctx.rank == 0:
-        write_config(run_dir, cfg)
+    validate(cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -119,6 +119,8 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     check_enough(data.train, micro, cfg.model.seq_len, "train")
     val_batch = tc.batch_size // tc.grad_accum  # one process's micro-batch, split over the ranks below
     check_enough(data.val, val_batch, cfg.model.seq_len, "val")
+    if ctx.rank == 0:  # after every check of the input: bad input leaves no run directory behind
+        write_config(run_dir, cfg)
     model = build_model(cfg).to(device)
     optimizers = build_optimizers(model, cfg.optim)
     ddp_model = ctx.wrap(model)
@@ -133,8 +135,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     ckpt = run_dir / "checkpoint.safetensors"
     if ckpt.exists():
         saved = load_checkpoint(ckpt, model)
-        for opt, opt_state in zip(optimizers, saved["optimizers"], strict=True):
-            opt.load_state_dict(opt_state)
+        _load_optimizer_states(ckpt, cfg, optimizers, saved)
         rngs = saved["rng"] if isinstance(saved["rng"], list) else [saved["rng"]]
         if len(rngs) != ctx.world_size:
             raise OptquantError(f"{ckpt} was written by {len(rngs)} process(es); resume it with as many "
@@ -146,10 +147,12 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         _truncate_metrics(run_dir / "metrics.jsonl", state["step"])
     info = {"n_params": count_params(model), "n_params_non_embedding": count_params(model, False),
             "total_steps": steps, "bf16": bf16, "tokens_per_step": tc.batch_size * cfg.model.seq_len}
-    status, diverged_step, last_val = "done", None, state.get("last_val")
+    status, diverged_step, reason, last_val = "done", None, None, state.get("last_val")
+    bound = tc.diverge_factor * math.log(cfg.model.vocab_size)
     if tc.keep_history and state["step"] == 0 and ctx.rank == 0:  # the start, for a crossing at the first eval
         save_checkpoint(ckpt, model, {"optimizers": [o.state_dict() for o in optimizers],
-                                      "rng": ctx.gather(rng_state(gen)), "loop": state})
+                                      "optimizer": cfg.optim.name, "rng": ctx.gather(rng_state(gen)),
+                                      "loop": state})
         _keep(ckpt, run_dir, 0)
     model.train()
     while state["step"] < steps:
@@ -166,7 +169,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
             loss.backward()
             loss_sum += loss.item()
         loss_sum = ctx.mean(loss_sum)
-        if not math.isfinite(loss_sum):
+        if (reason := divergence("train loss", loss_sum, bound)) is not None:
             status, diverged_step = "diverged", step
             break
         for opt in optimizers:
@@ -182,7 +185,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         regular = state["step"] % tc.eval_every == 0 or state["step"] == steps
         if regular or _near_cl(tc, state):
             last_val = ctx.mean(validation_loss(model, val))  # the same on every rank: same breaks
-            if not math.isfinite(last_val):
+            if (reason := divergence("val loss", last_val, bound)) is not None:
                 status, diverged_step = "diverged", state["step"]
                 break
             state["best_val"] = min(state["best_val"], last_val)
@@ -199,13 +202,14 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
                         "step": str(state["step"]), "val_loss": repr(last_val), "threshold": repr(threshold)})
                 if regular:
                     save_checkpoint(ckpt, model, {"optimizers": [o.state_dict() for o in optimizers],
-                                                  "rng": rngs, "loop": state})
+                                                  "optimizer": cfg.optim.name, "rng": rngs, "loop": state})
                     if tc.keep_history:
                         _keep(ckpt, run_dir, state["step"])
             if tc.stop_at_cl and state["cl_step"] is not None:
                 break
     summary = {
-        "run_id": run_dir.name, "status": status, "diverged_step": diverged_step, "steps": state["step"],
+        "run_id": run_dir.name, "status": status, "diverged_step": diverged_step, "diverged_reason": reason,
+        "steps": state["step"],
         "final_val_loss": last_val if status == "done" else None,
         "best_val_loss": state["best_val"] if math.isfinite(state["best_val"]) else None,
         "cl_threshold": tc.cl_threshold, "cl_step": state["cl_step"],
@@ -255,6 +259,30 @@ def _keep(ckpt: Path, run_dir: Path, step: int) -> None:
         shutil.copyfile(ckpt, path)
 
 
+def divergence(what: str, loss: float, bound: float) -> str | None:
+    """Why a loss means the run has diverged (NaN/inf, or above `bound` when it is > 0), else None."""
+    if not math.isfinite(loss):
+        return f"{what} is {loss}"
+    if bound > 0 and loss > bound:
+        return f"{what} {loss:.4g} is above the divergence bound {bound:.4g} (train.diverge_factor × ln vocab)"
+    return None
+
+
+def _load_optimizer_states(ckpt: Path, cfg: RunConfig, optimizers: list, saved: dict[str, Any]) -> None:
+    """Restore the optimizers from a checkpoint, which must come from this run's optimizer."""
+    name = saved.get("optimizer", cfg.optim.name)
+    states = saved.get("optimizers")
+    if name != cfg.optim.name or not isinstance(states, list) or len(states) != len(optimizers):
+        raise OptquantError(f"{ckpt} was written by optimizer {name!r}, not {cfg.optim.name!r}; "
+                            "delete it to train this run from scratch")
+    try:
+        for opt, opt_state in zip(optimizers, states, strict=True):
+            opt.load_state_dict(opt_state)
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise OptquantError(f"{ckpt}: optimizer state does not match {cfg.optim.name!r} on this model ({e}); "
+                            "delete it to train this run from scratch") from None
+
+
 def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: float,
                  val_loss: float) -> None:
     record = {"step": state["step"], "train_loss": loss, "val_loss": val_loss,
@@ -264,11 +292,12 @@ def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: 
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop evaluations after the checkpoint we resume from: they will be recomputed identically."""
+    """Drop evaluations after the checkpoint we resume from, and a last line cut short by a crash: they
+    will be recomputed identically. Rewritten atomically, so a crash here loses nothing."""
     if not path.exists():
         return
-    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-    path.write_text("".join(ln + "\n" for ln in keep))
+    keep = [r for r in parse_metrics(path) if r["step"] <= step]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _add_qat_degradation(summary: dict, cfg: RunConfig, run_dir: Path) -> None:

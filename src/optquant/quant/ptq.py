@@ -155,6 +155,7 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
     if cfg.rotation == "hadamard":
         _rotate_(model)
     layers = linear_layers(model, skip=() if cfg.quantize_head else ("lm_head",))
+    check_group_sizes(layers, cfg)
     if cfg.method == "gptq" and cfg.w_bits < OFF:
         _gptq_(model, layers, cfg, calib)
     else:
@@ -164,6 +165,19 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
             replace_module(model, name, QuantLinear(W, lin.bias, cfg.act_spec, cfg.name))
     log.info("quantized %d linear layers with %s", len(layers), cfg.name)
     return model
+
+
+def check_group_sizes(layers: list[tuple[str, nn.Linear]], cfg: PTQConfig) -> None:
+    """A weight or activation group must tile each layer's input width exactly: no ragged last group.
+    A group at least as wide as a layer is one group per row (the zero padding never changes a scale)."""
+    for what, group, bits in (("w_group_size", cfg.w_group_size, cfg.w_bits), ("a_group_size", cfg.a_group_size,
+                                                                                 cfg.a_bits)):
+        if cfg.format != "int" or not group or bits >= OFF:
+            continue
+        bad = sorted({lin.in_features for _, lin in layers if group < lin.in_features and lin.in_features % group})
+        if bad:
+            raise OptquantError(f"ptq.{what}={group} does not divide the input width(s) {bad} of this model's "
+                                "linear layers; choose a divisor")
 
 
 def quantized_copy(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None = None) -> nn.Module:

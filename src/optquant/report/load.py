@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from optquant.errors import OptquantError
+from optquant.files import parse_metrics, read_parquet
 from optquant.report.paper import LABELS
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ class StudyData:
         path = self.root / "runs" / run_id / "metrics.jsonl"
         if not path.is_file():
             return None
-        lines = [json.loads(s) for s in path.read_text().splitlines() if s.strip()]
+        lines = parse_metrics(path)
         return pd.DataFrame(lines) if lines else None
 
     # ---------------------------------------------------------------- display
@@ -209,7 +210,7 @@ def _read_results(path: Path) -> pd.DataFrame:
     if not path.is_file():
         log.info("%s missing: every results section will say 'not run'", path)
         return pd.DataFrame({c: pd.Series(dtype=object) for c in RESULT_COLUMNS + ("run_id",)})
-    df = pd.read_parquet(path)
+    df = read_parquet(path)
     missing = [c for c in RESULT_COLUMNS if c not in df.columns]
     if missing:
         raise OptquantError(f"{path} lacks column(s) {missing}; has {list(df.columns)}")
@@ -227,12 +228,12 @@ def _read_json(path: Path) -> dict | None:
         return None
     try:
         return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise OptquantError(f"{path} is not valid JSON: {e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OptquantError(f"{path} is not valid JSON: {e}") from None
 
 
 def _read_parquet(path: Path) -> pd.DataFrame | None:
-    return pd.read_parquet(path) if path.is_file() else None
+    return read_parquet(path) if path.is_file() else None
 
 
 def _one_norm(df: pd.DataFrame | None) -> pd.DataFrame | None:

@@ -5,7 +5,8 @@ is idempotent (its outputs are files written atomically, found and reused on a r
 study is resumed by running the same batch again.
 
 - `local`: a pool of `workers` spawned processes; the machine's cores are split evenly between them
-  (torch threads per worker = cores // workers). workers=1 runs jobs in this process.
+  (torch threads per worker = cores // workers). workers=1 runs jobs in this process. The workers die
+  with the study process, however it ends (prctl PDEATHSIG on Linux).
 - `slurm`: submitit's AutoExecutor (one Slurm job per study job); `submitit-local` is submitit's local
   executor, which runs the same code path on this machine and is how the Slurm route is tested.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -37,8 +39,28 @@ def run_job(job: Job) -> dict[str, Any]:
     return {"train": jobs.train_job, "ptq": jobs.ptq_job, "outliers": jobs.outliers_job}[job.kind](**job.args)
 
 
-def _init_worker(threads: int) -> None:
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux prctl PR_SET_PDEATHSIG), so a
+    killed study (SIGKILL, SIGTERM, Ctrl-C) leaves no workers behind; elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the prctl: nobody would send the signal
+        os._exit(1)
+
+
+def _init_worker(threads: int, parent: int | None = None) -> None:
     import warnings
+
+    if parent is not None:
+        die_with_parent(parent)
 
     import torch
 
@@ -59,7 +81,7 @@ def run_local(jobs: list[Job], workers: int) -> Iterator[tuple[Job, dict[str, An
             yield job, run_job(job)
         return
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("spawn"),
-                             initializer=_init_worker, initargs=(_threads(workers),)) as pool:
+                             initializer=_init_worker, initargs=(_threads(workers), os.getpid())) as pool:
         pending = {pool.submit(run_job, job): job for job in jobs}
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)

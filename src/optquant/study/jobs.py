@@ -1,32 +1,19 @@
 """The study's two kinds of job, each idempotent: train one run; quantize and analyse one model.
 
-A run directory is locked (fcntl, released when the process dies) while a job works in it, so an
-orphaned worker of a killed study and the rerun never write the same run at once.
+A run directory is locked (runs.locked: fcntl, released when the process dies) while a job works in it,
+as `optquant train/ptq/analyze` lock it, so no two processes ever write the same run at once.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from optquant.analysis import AnalysisConfig, analyze, fp_outliers, out_dir, ptq_eval, read_result
 from optquant.config import from_dict
 from optquant.quant.ptq import PTQConfig
+from optquant.runs import locked
 from optquant.train import train
-
-
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    path.mkdir(parents=True, exist_ok=True)
-    with open(path / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def train_job(config: dict[str, Any], run_dir: str) -> dict[str, Any]:

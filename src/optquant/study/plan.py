@@ -244,6 +244,7 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
     atomic_write_json(study.root / "study.json", {"spec": asdict(spec), "sizes": _sizes(spec)})
     tuned = sweep_stage(study)
     table = fp_stage(study, tuned)
+    warn_unconverged(study, table)
     thresholds, cl_paths = cl_stage(study, tuned, table)
     ptq_stage(study, cl_paths, table)
     qat = qat_stage(study, tuned, table) if spec.qat_bits else {}
@@ -251,6 +252,19 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
     write_results(study, table, thresholds, cl_paths, qat)
     study.emit(event="stage", stage="report", jobs=0)
     return render_report(study.root)
+
+
+def warn_unconverged(study: Study, table: dict[tuple, dict[str, Any]]) -> list[str]:
+    """Say (log + a "warning" event) which optimizer has no converged LR at a size: the study leaves it
+    out of Common Loss, PTQ and QAT there. Returns the messages."""
+    messages = [f"{opt} has no converged learning rate at size {size} (every lr of {sorted(row['lrs'])} "
+                "diverged); it is left out of Common Loss, PTQ and QAT at that size"
+                for (opt, size), row in table.items() if not math.isfinite(row["best_loss"])]
+    for message in messages:
+        if study.on_event is None:
+            log.warning(message)
+        study.emit(event="warning", message=message)
+    return messages
 
 
 def _sizes(spec: StudySpec) -> dict[str, dict[str, int]]:
