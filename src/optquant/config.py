@@ -22,7 +22,8 @@ from typing import Any, Literal
 from optquant.data import DataConfig
 from optquant.errors import OptquantError
 from optquant.model import PRESETS, ModelConfig, model_config
-from optquant.optim import OPTIMIZERS, AdamWConfig
+from optquant.optim import AdamWConfig, optimizer_config, optimizer_config_class
+from optquant.optim.plugin import safe_name
 from optquant.quant.qat import QATConfig
 
 
@@ -83,7 +84,7 @@ def config_hash(cfg: Any) -> str:
 
 
 def run_id(cfg: RunConfig) -> str:
-    return f"{cfg.name}-{cfg.optim.name}-{config_hash(cfg)}"
+    return f"{cfg.name}-{safe_name(cfg.optim.name)}-{config_hash(cfg)}"
 
 
 def to_dict(cfg: Any) -> dict:
@@ -153,9 +154,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         pairs.append((key.strip(), value.strip()))
     for key, value in pairs:
         if key == "optim.name":
-            if value not in OPTIMIZERS:
-                raise OptquantError(f"--set optim.name={value}: choose one of {', '.join(OPTIMIZERS)}")
-            cfg = replace(cfg, optim=OPTIMIZERS[value]())
+            cfg = replace(cfg, optim=optimizer_config(value))
         elif key == "qat":
             if value.lower() not in ("none", "off", "null"):
                 raise OptquantError("--set qat=...: only qat=none; set qat.method=quest to enable QAT")
@@ -219,10 +218,9 @@ def from_dict(data: dict, path: str = "config") -> RunConfig:
     qat = data.pop("qat", None)
     cfg = _build(RunConfig, data, path)
     name = optim.get("name", "adamw")
-    if name not in OPTIMIZERS:
-        raise OptquantError(f"{path}: unknown optimizer {name!r}")
+    optimizer_config(name)  # one clear error for an unknown optimizer or a plugin that fails to load
     return replace(
         cfg,
-        optim=_build(OPTIMIZERS[name], optim, path),
+        optim=_build(optimizer_config_class(name), optim, path),
         qat=None if qat is None else _build(QATConfig, qat, path),
     )
