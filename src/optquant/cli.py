@@ -82,9 +82,35 @@ def _analysis_config(args: argparse.Namespace):
     return AnalysisConfig(weights=args.weights, mc_items=args.mc_items)
 
 
+def _hf_quant(args: argparse.Namespace, what: str) -> int:
+    """`ptq --hf PATH` / `analyze --hf PATH`: the same analyses on a local Hugging Face causal LM."""
+    from optquant.data import DataConfig
+    from optquant.hf.analysis import HFSource, default_out, hf_analyze, hf_ptq_eval
+
+    if args.run_dir is not None:
+        raise OptquantError(f"{what}: give a run directory or --hf PATH, not both")
+    if args.weights != "final":
+        raise OptquantError(f"{what} --hf: --weights applies to optquant runs only")
+    qcfg, acfg = _ptq_config(args), _analysis_config(args)
+    src = HFSource(args.hf, DataConfig(source=args.data), seq_len=args.seq_len)
+    out = args.out or default_out(args.hf)
+    result = (hf_ptq_eval if what == "ptq" else hf_analyze)(src, qcfg, acfg, out)
+    print(json.dumps(result, indent=2))
+    print(f"written: {out / qcfg.name}/")
+    return 0
+
+
+def _needs_run_dir(args: argparse.Namespace, what: str) -> None:
+    if args.run_dir is None:
+        raise OptquantError(f"{what}: give a run directory (from optquant train) or --hf PATH")
+
+
 def _ptq(args: argparse.Namespace) -> int:
     from optquant.analysis import out_dir, ptq_eval
 
+    if args.hf is not None:
+        return _hf_quant(args, "ptq")
+    _needs_run_dir(args, "ptq")
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
     result = ptq_eval(args.run_dir, qcfg, acfg)
     print(json.dumps(result, indent=2))
@@ -95,6 +121,9 @@ def _ptq(args: argparse.Namespace) -> int:
 def _analyze(args: argparse.Namespace) -> int:
     from optquant.analysis import analyze, out_dir
 
+    if args.hf is not None:
+        return _hf_quant(args, "analyze")
+    _needs_run_dir(args, "analyze")
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
     result = analyze(args.run_dir, qcfg, acfg)
     print(json.dumps(result, indent=2))
@@ -166,7 +195,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _add_quant_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", type=Path, help="a finished run directory (from optquant train)")
+    p.add_argument("run_dir", type=Path, nargs="?", help="a finished run directory (from optquant train)")
     p.add_argument("--method", choices=["rtn", "gptq"], default="rtn")
     p.add_argument("--w-bits", type=int, default=4, help="weight bits (16 = not quantized)")
     p.add_argument("--a-bits", type=int, default=4, help="activation bits (16 = weight-only)")
@@ -180,6 +209,17 @@ def _add_quant_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["final", "cl"], default="final",
                    help="final weights or the Common-Loss checkpoint")
     p.add_argument("--mc-items", type=int, default=200, help="multiple-choice items (0 = skip)")
+    _add_hf_flags(p)
+
+
+def _add_hf_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Hugging Face models (needs pip install 'optquant[hf]')")
+    g.add_argument("--hf", type=Path, metavar="PATH", help="analyse a local Hugging Face causal LM folder "
+                   "(Llama, Mistral, Qwen2, Qwen3, OLMo2) instead of a run; nothing is downloaded")
+    g.add_argument("--data", default="embedded", metavar="SRC", help="with --hf: the text to evaluate on, "
+                   "encoded with the folder's tokenizer (default: the embedded corpus; or .txt/.jsonl/.parquet)")
+    g.add_argument("--seq-len", type=int, default=128, help="with --hf: tokens per window (default 128)")
+    g.add_argument("--out", type=Path, help="with --hf: output directory (default: hf-analysis/<folder name>)")
 
 
 def build_parser() -> argparse.ArgumentParser:
