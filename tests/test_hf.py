@@ -128,3 +128,47 @@ def test_missing_transformers_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(OptquantError, match=r"pip install 'optquant\[hf\]'"):
         require_transformers()
+
+
+@pytest.fixture(params=[False, True], ids=["untied", "tied"])
+def llama_run(nano_cfg, tmp_path, request):
+    from optquant.config import apply_overrides
+    from optquant.runs import run_dir
+    from optquant.train import train
+
+    cfg = apply_overrides(nano_cfg, ["model.arch=llama", "model.n_kv_head=1", f"model.tie_embeddings={request.param}",
+                                     "train.steps=10"])
+    path = run_dir(tmp_path / "runs", cfg)
+    assert train(cfg, path)["status"] == "done"
+    return path
+
+
+def test_export_llama_run_matches_our_logits_and_tokenizer(llama_run, tmp_path, corpus):
+    from optquant.analysis import load_run_model
+    from optquant.data import load_tokens
+
+    out = tmp_path / "exported"
+    assert main(["export", str(llama_run), "--hf", str(out)]) == 0
+    cfg, ours = load_run_model(llama_run)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    idx = torch.randint(0, cfg.model.vocab_size, (3, cfg.model.seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx), rtol=0, atol=1e-5)
+    tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    text = (corpus / "doc000.txt").read_text()[:300]
+    assert tok(text, add_special_tokens=False)["input_ids"] == data.tokenizer.encode(text).ids
+    assert tok.eos_token_id == data.eot_id and tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
+
+
+def test_export_refuses_the_olmo2_variant(nano_cfg, tmp_path, capsys):
+    from optquant.runs import run_dir
+    from optquant.train import train
+
+    path = run_dir(tmp_path / "runs", nano_cfg)
+    train(nano_cfg, path)
+    assert main(["export", str(path), "--hf", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "matches no Hugging Face architecture exactly" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()

@@ -194,6 +194,27 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from optquant.hf.export import export_hf
+
+    out = export_hf(args.run_dir, args.hf, args.weights)
+    print(f"written: {out}/ (load with transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained)")
+    return 0
+
+
+def _add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="export a llama-variant run to a Hugging Face folder (needs optquant[hf])",
+                       description="Writes the run's model as an exact LlamaForCausalLM (same logits) plus its "
+                       "tokenizer.json. OLMo2-variant and QAT runs are refused: no HF architecture computes them.",
+                       epilog="example:\n  optquant export runs/tiny-adamw-0123456789 --hf exported/tiny",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path, help="a finished run directory with model.arch=llama")
+    p.add_argument("--hf", type=Path, required=True, metavar="OUT", help="output folder (Hugging Face format)")
+    p.add_argument("--weights", choices=["final", "cl"], default="final",
+                   help="final weights or the Common-Loss checkpoint")
+    p.set_defaults(func=_export)
+
+
 def _add_quant_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, nargs="?", help="a finished run directory (from optquant train)")
     p.add_argument("--method", choices=["rtn", "gptq"], default="rtn")
@@ -271,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="(re)build a study's HTML report from its files")
     p.add_argument("study_dir", type=Path)
     p.set_defaults(func=_report)
+    _add_export_parser(sub)
     return parser
 
 
