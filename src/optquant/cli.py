@@ -22,6 +22,7 @@ EPILOG_TRAIN = """examples:
   optquant train --set optim.name=muon --set optim.lr=0.02
   optquant train --set qat.method=quest --set qat.w_bits=4 --set qat.a_bits=4
   optquant train --config run.toml --set seed=1
+  optquant train --set optim.name=examples/lion.py:make_optimizer   # your optimizer (README: "Your optimizer")
 
 A run lives in OUT/<name>-<optimizer>-<confighash>/; rerunning the same command resumes a killed run
 and skips a finished one (--force retrains it). Fields: see README ("Configuration")."""
@@ -33,6 +34,7 @@ EPILOG_STUDY = """examples:
   optquant study --set optimizers=adamw,muon,shampoo --set sizes=nano,micro
   optquant study --set lrs.muon=0.01,0.02,0.04 --set run=train.tokens_per_param=10
   optquant study --set sweeps.muon.optim.momentum=0.9,0.95   # a 1-D sweep at the smallest size
+  optquant study --preset smoke --set optimizers=adamw,examples/lion.py:make_optimizer   # a plugin optimizer
   optquant study --preset paper --set executor=slurm --set run=data.source=/data/climbmix"""
 
 
@@ -252,7 +254,7 @@ def _add_export_parser(sub) -> None:
 
 
 def _add_quant_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", type=Path, nargs="?", help="a finished run directory (from optquant train)")
+    p.add_argument("run_dir", type=Path, nargs="?", help="a finished run directory (from optquant train), or use --hf")
     p.add_argument("--method", choices=["rtn", "gptq"], default="rtn")
     p.add_argument("--w-bits", type=int, default=4, help="weight bits (16 = not quantized)")
     p.add_argument("--a-bits", type=int, default=4, help="activation bits (16 = weight-only)")
@@ -294,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "50m, 125m, 350m, 500m, 760m, 1.5b")
     p.add_argument("--config", type=Path, help="TOML file of settings (tables = config sections)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a setting, e.g. --set optim.name=shampoo (repeatable)")
+                   help="override a setting, e.g. --set optim.name=shampoo (repeatable); optim.name also takes "
+                   "a plugin: module:function, file.py:function or an optquant.optimizers entry point")
     p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: runs)")
     p.add_argument("--force", action="store_true", help="retrain even if the run is done")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
