@@ -93,7 +93,19 @@ def ptq_eval(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConf
     """Val loss and MC accuracy of the FP model and its quantized copy; writes summary.json."""
     cfg, model = load_run_model(run_dir, acfg.weights)
     data = load_tokens(cfg.data, cfg.model.vocab_size)
-    return ptq_eval_model(cfg, model, data, qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
+    result = ptq_eval_model(cfg, model, data, qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
+    _track(cfg, run_dir, f"ptq/{acfg.weights}/{qcfg.name}", result)
+    return result
+
+
+def _track(cfg: RunConfig, run_dir: Path, prefix: str, result: dict) -> None:
+    """Mirror a result into the run's experiment tracker, if `log.to` is set (optquant.tracking)."""
+    from optquant.config import to_dict
+    from optquant.tracking import open_tracker
+
+    tracker = open_tracker(cfg.log, run_dir, to_dict(cfg))
+    tracker.record(prefix, 0, result)
+    tracker.close()
 
 
 def ptq_eval_model(cfg: RunConfig, model: nn.Module, data, qcfg: PTQConfig, acfg: AnalysisConfig,

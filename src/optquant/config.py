@@ -25,6 +25,7 @@ from optquant.model import PRESETS, ModelConfig, model_config
 from optquant.optim import AdamWConfig, optimizer_config, optimizer_config_class
 from optquant.optim.plugin import safe_name
 from optquant.quant.qat import QATConfig
+from optquant.tracking import LogConfig
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     qat: QATConfig | None = None  # quantization-aware training from scratch when set
     seed: int = 0
+    log: LogConfig = field(default_factory=LogConfig)  # experiment tracking; not part of the config hash
 
 
 # Run presets: a model size and the batch settings that suit it. The budget follows from
@@ -80,7 +82,10 @@ def run_preset(name: str) -> RunConfig:
 
 
 def config_hash(cfg: Any) -> str:
-    return hashlib.sha1(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:10]
+    d = to_dict(cfg)
+    if isinstance(cfg, RunConfig):
+        d.pop("log")  # where a run is logged does not change the run
+    return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def run_id(cfg: RunConfig) -> str:
