@@ -44,3 +44,54 @@ def test_tensorboard_events_equal_metrics_jsonl(nano_cfg, tmp_path):
     assert "summary/n_params" in scalars
     text = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert '"to": "tensorboard"' in text and f'"steps": {cfg.train.steps}' in text
+
+
+def wandb_records(path):
+    """Records of a W&B offline .wandb file (a LevelDB-style log: 7-byte header, 32 KiB blocks, each record
+    crc32 (4) + length (2) + type (1: full, 2: first, 3: middle, 4: last) + protobuf bytes)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, buf, block = path.read_bytes(), 7, b"", 32768
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", data[pos: pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (length == 0 and kind == 0):
+            pos += left
+            continue
+        buf += data[pos + 7: pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            buf = b""
+            yield rec
+
+
+def test_wandb_offline_run_equals_metrics_jsonl(nano_cfg, tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="needs the wandb extra: pip install 'optquant[wandb]'")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = apply_overrides(nano_cfg, ["log.to=wandb", "train.steps=20"])
+    path = run_dir(tmp_path, cfg)
+    summary = train(cfg, path)
+    (run_file,) = path.glob("wandb/offline-run-*/run-*.wandb")
+    history, final, config = {}, {}, {}
+    for rec in wandb_records(run_file):
+        kind = rec.WhichOneof("record_type")
+        if kind in ("run", "config"):
+            config.update({i.key: json.loads(i.value_json) for i in (rec.run.config if kind == "run" else
+                                                                     rec.config).update})
+        elif kind == "history":
+            row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+            history[row["_step"]] = row
+        elif kind == "summary":
+            final.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.summary.update})
+    records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        for key in ("train_loss", "val_loss", "lr", "tokens"):
+            assert history[r["step"]][f"eval/{key}"] == r[key]  # JSON in both: exact
+    assert sorted(s for s, row in history.items() if "train/loss" in row) == list(range(1, 21))
+    assert final["summary/final_val_loss"] == summary["final_val_loss"]
+    assert config["train"]["steps"] == 20 and config["log"] == {"to": "wandb"}
