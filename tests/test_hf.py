@@ -120,16 +120,6 @@ def test_unsupported_family_is_one_clear_error(tmp_path):
         load_hf(tmp_path / "gpt2")
 
 
-def test_missing_transformers_names_the_extra(monkeypatch):
-    import importlib.util
-
-    from optquant.hf import require_transformers
-
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    with pytest.raises(OptquantError, match=r"pip install 'optquant\[hf\]'"):
-        require_transformers()
-
-
 @pytest.fixture(params=[False, True], ids=["untied", "tied"])
 def llama_run(nano_cfg, tmp_path, request):
     from optquant.config import apply_overrides

@@ -23,6 +23,7 @@ EPILOG_TRAIN = """examples:
   optquant train --set qat.method=quest --set qat.w_bits=4 --set qat.a_bits=4
   optquant train --config run.toml --set seed=1
   optquant train --set optim.name=examples/lion.py:make_optimizer   # your optimizer (README: "Your optimizer")
+  optquant train --set log.to=tensorboard          # or log.to=wandb (offline); needs optquant[tensorboard|wandb]
 
 A run lives in OUT/<name>-<optimizer>-<confighash>/; rerunning the same command resumes a killed run
 and skips a finished one (--force retrains it). Fields: see README ("Configuration")."""
