@@ -23,11 +23,13 @@ import optquant
 SRC = Path(optquant.__file__).parent
 LAYERS = [
     {"", "errors"},  # "" = the optquant package itself
+    {"device", "files", "tracking"},
     {"model", "data", "checkpoint", "distributed", "evaluate", "scaling", "stats"},
     {"optim", "quant"},
     {"config", "runs"},
     {"metrics"},
     {"analysis", "train"},
+    {"hf", "harness"},
     {"report"},
     {"study"},
     {"cli"},

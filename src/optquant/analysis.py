@@ -91,6 +91,24 @@ def ptq_eval(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConf
     """Val loss and MC accuracy of the FP model and its quantized copy; writes summary.json."""
     cfg, model = load_run_model(run_dir, acfg.weights)
     data = load_tokens(cfg.data, cfg.model.vocab_size)
+    result = ptq_eval_model(cfg, model, data, qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
+    _track(cfg, run_dir, f"ptq/{acfg.weights}/{qcfg.name}", result)
+    return result
+
+
+def _track(cfg: RunConfig, run_dir: Path, prefix: str, result: dict) -> None:
+    """Mirror a result into the run's experiment tracker, if `log.to` is set (optquant.tracking)."""
+    from optquant.config import to_dict
+    from optquant.tracking import open_tracker
+
+    tracker = open_tracker(cfg.log, run_dir, to_dict(cfg))
+    tracker.record(prefix, 0, result)
+    tracker.close()
+
+
+def ptq_eval_model(cfg: RunConfig, model: nn.Module, data, qcfg: PTQConfig, acfg: AnalysisConfig,
+                   out_path: Path) -> dict[str, Any]:
+    """ptq_eval on a loaded model (ours or optquant.hf's) and its token data; writes out_path/summary.json."""
     val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
     fp, q = ptq_pair(model, qcfg, _gptq_calib(cfg, data, acfg) if qcfg.method == "gptq" else None)
     out = {"scheme": qcfg.name, "weights": acfg.weights, "ptq": dataclasses.asdict(qcfg)}
@@ -102,7 +120,7 @@ def ptq_eval(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConf
     out["delta_val_loss"] = out["val_loss_q"] - out["val_loss_fp"]
     if acfg.mc_items:
         out["delta_acc_norm"] = out["mc_acc_norm_q"] - out["mc_acc_norm_fp"]
-    atomic_write_json(out_dir(run_dir, acfg, qcfg.name) / "summary.json", out)
+    atomic_write_json(out_path / "summary.json", out)
     return out
 
 
@@ -110,12 +128,17 @@ def analyze(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfi
     """Outliers of the FP model and the ABC decomposition against its quantized copy."""
     cfg, model = load_run_model(run_dir, acfg.weights)
     data = load_tokens(cfg.data, cfg.model.vocab_size)
+    return analyze_model(cfg, model, data, qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
+
+
+def analyze_model(cfg: RunConfig, model: nn.Module, data, qcfg: PTQConfig, acfg: AnalysisConfig,
+                  out: Path) -> dict[str, Any]:
+    """analyze on a loaded model (ours or optquant.hf's) and its token data; writes into `out`."""
     calib = _batches(cfg, data.val, acfg.calib_batches, cfg.seed + 12345)
     skip = () if qcfg.quantize_head else ("lm_head",)
     layers = outlier_metrics(model, calib, skip=skip)
     fp, q = ptq_pair(model, qcfg, None if qcfg.method == "rtn" else _gptq_calib(cfg, data, acfg))
     rows, summary = propagation(fp, q, calib, PropagationConfig(granularity=acfg.granularity, skip=skip))
-    out = out_dir(run_dir, acfg, qcfg.name)
     write_parquet(out / "outliers.parquet", pd.DataFrame([dataclasses.asdict(r) for r in layers]))
     write_parquet(out / "propagation.parquet", pd.DataFrame([dataclasses.asdict(r) for r in rows]))
     result = {"scheme": qcfg.name, "weights": acfg.weights, **aggregate(layers),

@@ -25,6 +25,8 @@ EPILOG_TRAIN = """examples:
   optquant train --set optim.name=muon --set optim.lr=0.02
   optquant train --set qat.method=quest --set qat.w_bits=4 --set qat.a_bits=4
   optquant train --config run.toml --set seed=1
+  optquant train --set optim.name=examples/lion.py:make_optimizer   # your optimizer (README: "Your optimizer")
+  optquant train --set log.to=tensorboard          # or log.to=wandb (offline); needs optquant[tensorboard|wandb]
 
 A run lives in OUT/<name>-<optimizer>-<confighash>/; rerunning the same command resumes a killed run
 and skips a finished one (--force retrains it). Fields: see README ("Configuration")."""
@@ -36,6 +38,7 @@ EPILOG_STUDY = """examples:
   optquant study --set optimizers=adamw,muon,shampoo --set sizes=nano,micro
   optquant study --set lrs.muon=0.01,0.02,0.04 --set run=train.tokens_per_param=10
   optquant study --set sweeps.muon.optim.momentum=0.9,0.95   # a 1-D sweep at the smallest size
+  optquant study --preset smoke --set optimizers=adamw,examples/lion.py:make_optimizer   # a plugin optimizer
   optquant study --preset paper --set executor=slurm --set run=data.source=/data/climbmix"""
 
 
@@ -101,10 +104,36 @@ def _analysis_config(args: argparse.Namespace):
     return AnalysisConfig(weights=args.weights, mc_items=args.mc_items)
 
 
+def _hf_quant(args: argparse.Namespace, what: str) -> int:
+    """`ptq --hf PATH` / `analyze --hf PATH`: the same analyses on a local Hugging Face causal LM."""
+    from optquant.data import DataConfig
+    from optquant.hf.analysis import HFSource, default_out, hf_analyze, hf_ptq_eval
+
+    if args.run_dir is not None:
+        raise OptquantError(f"{what}: give a run directory or --hf PATH, not both")
+    if args.weights != "final":
+        raise OptquantError(f"{what} --hf: --weights applies to optquant runs only")
+    qcfg, acfg = _ptq_config(args), _analysis_config(args)
+    src = HFSource(args.hf, DataConfig(source=args.data), seq_len=args.seq_len)
+    out = args.out or default_out(args.hf)
+    result = (hf_ptq_eval if what == "ptq" else hf_analyze)(src, qcfg, acfg, out)
+    print(json.dumps(result, indent=2))
+    print(f"written: {out / qcfg.name}/")
+    return 0
+
+
+def _needs_run_dir(args: argparse.Namespace, what: str) -> None:
+    if args.run_dir is None:
+        raise OptquantError(f"{what}: give a run directory (from optquant train) or --hf PATH")
+
+
 def _ptq(args: argparse.Namespace) -> int:
     from optquant.analysis import out_dir, ptq_eval
     from optquant.runs import locked
 
+    if args.hf is not None:
+        return _hf_quant(args, "ptq")
+    _needs_run_dir(args, "ptq")
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
     _check_run_dir(args.run_dir)
     with locked(out_dir(args.run_dir, acfg, qcfg.name), wait=False):
@@ -118,6 +147,9 @@ def _analyze(args: argparse.Namespace) -> int:
     from optquant.analysis import analyze, out_dir
     from optquant.runs import locked
 
+    if args.hf is not None:
+        return _hf_quant(args, "analyze")
+    _needs_run_dir(args, "analyze")
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
     _check_run_dir(args.run_dir)
     with locked(out_dir(args.run_dir, acfg, qcfg.name), wait=False):
@@ -218,8 +250,65 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from optquant.checkpoint import atomic_write_json
+    from optquant.harness import lm_eval_tasks, load_model
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    model, tok, eot = load_model(args.run_dir, args.hf, args.weights)
+    result = lm_eval_tasks(model, tok, eot, tasks, include_path=args.include_path, limit=args.limit)
+    for task, r in result.items():
+        print(f"{task:20s} acc={r['acc']:.4f}±{r['acc_stderr'] or 0:.4f}  "
+              f"acc_norm={r['acc_norm']:.4f}±{r['acc_norm_stderr'] or 0:.4f}  (n={r['n']})")
+    out = args.out or (args.run_dir / "lm_eval.json" if args.run_dir else Path("hf-analysis") /
+                       args.hf.resolve().name / "lm_eval.json")
+    atomic_write_json(out, result)
+    print(f"written: {out}")
+    return 0
+
+
+def _add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="zero-shot lm-eval tasks on a run or an HF folder (needs optquant[eval])",
+                       description="Runs the real LM-Evaluation-Harness (lm-eval 0.4.x) offline through optquant's "
+                       "adapter: the task data must be in the local Hugging Face cache, or the task local "
+                       "(--include-path). Prints acc and acc_norm with standard errors and n.",
+                       epilog="examples:\n  optquant eval runs/tiny-adamw-0123456789 --tasks piqa,hellaswag,arc_easy\n"
+                       "  optquant eval --hf path/to/model --tasks mytask --include-path my_tasks/",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path, nargs="?", help="a finished run directory (or use --hf)")
+    p.add_argument("--hf", type=Path, metavar="PATH", help="a local Hugging Face causal LM folder (needs optquant[hf])")
+    p.add_argument("--tasks", default="piqa,hellaswag,arc_easy", help="comma-separated lm-eval task names "
+                   "(default: the paper's piqa,hellaswag,arc_easy)")
+    p.add_argument("--include-path", type=Path, metavar="DIR", help="a folder of extra lm-eval task YAMLs")
+    p.add_argument("--limit", type=int, help="score only the first N items of each task")
+    p.add_argument("--weights", choices=["final", "cl"], default="final", help="a run's final or Common-Loss weights")
+    p.add_argument("--out", type=Path, help="results JSON (default: RUN/lm_eval.json or hf-analysis/<name>/)")
+    p.set_defaults(func=_eval)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from optquant.hf.export import export_hf
+
+    out = export_hf(args.run_dir, args.hf, args.weights)
+    print(f"written: {out}/ (load with transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained)")
+    return 0
+
+
+def _add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="export a llama-variant run to a Hugging Face folder (needs optquant[hf])",
+                       description="Writes the run's model as an exact LlamaForCausalLM (same logits) plus its "
+                       "tokenizer.json. OLMo2-variant and QAT runs are refused: no HF architecture computes them.",
+                       epilog="example:\n  optquant export runs/tiny-adamw-0123456789 --hf exported/tiny",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", type=Path, help="a finished run directory with model.arch=llama")
+    p.add_argument("--hf", type=Path, required=True, metavar="OUT", help="output folder (Hugging Face format)")
+    p.add_argument("--weights", choices=["final", "cl"], default="final",
+                   help="final weights or the Common-Loss checkpoint")
+    p.set_defaults(func=_export)
+
+
 def _add_quant_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", type=Path, help="a finished run directory (from optquant train)")
+    p.add_argument("run_dir", type=Path, nargs="?", help="a finished run directory (from optquant train), or use --hf")
     p.add_argument("--method", choices=["rtn", "gptq"], default="rtn")
     p.add_argument("--w-bits", type=int, default=4, help="weight bits (16 = not quantized)")
     p.add_argument("--a-bits", type=int, default=4, help="activation bits (16 = weight-only)")
@@ -233,6 +322,17 @@ def _add_quant_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["final", "cl"], default="final",
                    help="final weights or the Common-Loss checkpoint")
     p.add_argument("--mc-items", type=int, default=200, help="multiple-choice items (0 = skip)")
+    _add_hf_flags(p)
+
+
+def _add_hf_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Hugging Face models (needs pip install 'optquant[hf]')")
+    g.add_argument("--hf", type=Path, metavar="PATH", help="analyse a local Hugging Face causal LM folder "
+                   "(Llama, Mistral, Qwen2, Qwen3, OLMo2) instead of a run; nothing is downloaded")
+    g.add_argument("--data", default="embedded", metavar="SRC", help="with --hf: the text to evaluate on, "
+                   "encoded with the folder's tokenizer (default: the embedded corpus; or .txt/.jsonl/.parquet)")
+    g.add_argument("--seq-len", type=int, default=128, help="with --hf: tokens per window (default 128)")
+    g.add_argument("--out", type=Path, help="with --hf: output directory (default: hf-analysis/<folder name>)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -257,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "50m, 125m, 350m, 500m, 760m, 1.5b")
     p.add_argument("--config", type=Path, help="TOML file of settings (tables = config sections)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a setting, e.g. --set optim.name=shampoo (repeatable)")
+                   help="override a setting, e.g. --set optim.name=shampoo (repeatable); optim.name also takes "
+                   "a plugin: module:function, file.py:function or an optquant.optimizers entry point")
     p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: runs)")
     p.add_argument("--force", action="store_true", help="retrain even if the run is done")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -293,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true",
                    help="print the headline tables as Markdown (for the README) instead of writing the HTML")
     p.set_defaults(func=_report)
+    _add_export_parser(sub)
+    _add_eval_parser(sub)
     return parser
 
 

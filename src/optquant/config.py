@@ -24,8 +24,10 @@ from typing import Any, Literal
 from optquant.data import DataConfig
 from optquant.errors import OptquantError
 from optquant.model import MODEL_PRESETS, ModelConfig, model_config
-from optquant.optim import OPTIMIZERS, AdamWConfig
+from optquant.optim import OPTIMIZERS, AdamWConfig, optimizer_config, optimizer_config_class
+from optquant.optim.plugin import PluginConfig, safe_name
 from optquant.quant.qat_config import QATConfig
+from optquant.tracking import LogConfig
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     qat: QATConfig | None = None  # quantization-aware training from scratch when set
     seed: int = 0
+    log: LogConfig = field(default_factory=LogConfig)  # experiment tracking; not part of the config hash
 
 
 # Run presets: a model size and the batch settings that suit it. The budget follows from
@@ -89,11 +92,14 @@ def run_preset(name: str) -> RunConfig:
 
 
 def config_hash(cfg: Any) -> str:
-    return hashlib.sha1(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:10]
+    d = to_dict(cfg)
+    if isinstance(cfg, RunConfig):
+        d.pop("log")  # where a run is logged does not change the run
+    return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def run_id(cfg: RunConfig) -> str:
-    return f"{cfg.name}-{cfg.optim.name}-{config_hash(cfg)}"
+    return f"{cfg.name}-{safe_name(cfg.optim.name)}-{config_hash(cfg)}"
 
 
 def to_dict(cfg: Any) -> dict:
@@ -224,7 +230,7 @@ def _check_fields(obj: Any, section: str, owner: str) -> None:
         value, tp = getattr(obj, f.name), _field_types(type(obj))[f.name]
         path = f"{section}.{f.name}" if section else f.name
         if f.name == "optim" and not section:
-            if type(value) not in OPTIMIZERS.values():
+            if type(value) not in (*OPTIMIZERS.values(), PluginConfig):
                 raise OptquantError(f"optim: not an optimizer config ({type(value).__name__})")
         else:
             _check_type(value, tp, path)
@@ -239,6 +245,9 @@ def validate(cfg: RunConfig) -> RunConfig:
 
     Runs whenever a config is built (presets, TOML, --set, config.json), so bad input fails before a run
     directory exists."""
+    if isinstance(cfg.optim, PluginConfig) and math.isnan(cfg.optim.lr):
+        raise OptquantError(f"optimizer plugin {cfg.optim.name!r} declares no default_lr: set optim.lr=... "
+                            f"(in a study: lrs.{cfg.optim.name}=...)")
     _check_fields(cfg, "", "")
     if not _NAME.fullmatch(cfg.name):
         raise OptquantError(f"name={cfg.name!r}: use letters, digits and . _ + - (it names the run directory)")
@@ -287,9 +296,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         pairs.append((key.strip(), value.strip()))
     for key, value in pairs:
         if key == "optim.name":
-            if value not in OPTIMIZERS:
-                raise OptquantError(f"--set optim.name={value}: choose one of {', '.join(OPTIMIZERS)}")
-            cfg = replace(cfg, optim=OPTIMIZERS[value]())
+            cfg = replace(cfg, optim=optimizer_config(value))
         elif key == "qat":
             if value.lower() not in ("none", "off", "null"):
                 raise OptquantError("--set qat=...: only qat=none; set qat.method=quest to enable QAT")
@@ -364,11 +371,10 @@ def from_dict(data: dict, path: str = "config") -> RunConfig:
     try:
         cfg = _build(RunConfig, data, path)
         name = optim.get("name", "adamw")
-        if name not in OPTIMIZERS:
-            raise OptquantError(f"{path}: unknown optimizer {name!r}")
+        optimizer_config(name)  # one clear error for an unknown optimizer or a plugin that fails to load
         cfg = replace(
             cfg,
-            optim=_build(OPTIMIZERS[name], optim, path),
+            optim=_build(optimizer_config_class(name), optim, path),
             qat=None if qat is None else _build(QATConfig, qat, path),
         )
     except (TypeError, ValueError) as e:

@@ -68,7 +68,7 @@ def val_loss(model: nn.Module, batches: Iterable, autocast: torch.dtype | None =
     if count == 0:
         raise OptquantError("val_loss: no batches given")
     loss = total / count
-    return LossResult(loss, math.exp(loss), count)
+    return LossResult(loss, math.exp(loss) if loss < 709 else math.inf, count)  # perplexity: inf past float range
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     check_enough(data.val, val_batch, cfg.model.seq_len, "val")
     if ctx.rank == 0:  # after every check of the input: bad input leaves no run directory behind
         write_config(run_dir, cfg)
+    tracker = _tracker(cfg, run_dir, ctx.rank)
     model = build_model(cfg).to(device)
     optimizers = build_optimizers(model, cfg.optim)
     ddp_model = ctx.wrap(model)
@@ -182,6 +183,8 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         if on_step is not None and ctx.rank == 0:
             on_step({"step": step + 1, "total": steps, "loss": loss_sum, "lr_mult": mult,
                      "tokens_per_s": info["tokens_per_step"] * state["timed_steps"] / state["train_time"]})
+        tracker.step(state["step"], {"loss": loss_sum, "lr_mult": mult,
+                                     "tokens_per_s": info["tokens_per_step"] / (time.perf_counter() - t0)})
         regular = state["step"] % tc.eval_every == 0 or state["step"] == steps
         if regular or _near_cl(tc, state):
             last_val = ctx.mean(validation_loss(model, val))  # the same on every rank: same breaks
@@ -196,7 +199,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
                 state["cl_step"] = state["step"]
             rngs = ctx.gather(rng_state(gen))  # every rank's data stream, for an exact resume
             if ctx.rank == 0:
-                _eval_record(run_dir, cfg, state, loss_sum, mult, last_val)
+                tracker.record("eval", state["step"], _eval_record(run_dir, cfg, state, loss_sum, mult, last_val))
                 if crossed:
                     save_weights(run_dir / "cl_model.safetensors", model, {
                         "step": str(state["step"]), "val_loss": repr(last_val), "threshold": repr(threshold)})
@@ -227,6 +230,8 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         _add_qat_degradation(summary, cfg, run_dir)
         atomic_write_json(run_dir / "summary.json", summary)
         ckpt.unlink(missing_ok=True)  # the final weights and summary supersede it
+    tracker.record("summary", state["step"], summary)
+    tracker.close()
     dist.teardown(ctx)
     return summary
 
@@ -283,12 +288,21 @@ def _load_optimizer_states(ckpt: Path, cfg: RunConfig, optimizers: list, saved: 
                             "delete it to train this run from scratch") from None
 
 
+def _tracker(cfg: RunConfig, run_dir: Path, rank: int):
+    """The run's experiment tracker (optquant.tracking; a no-op one unless log.to is set, and off rank 0)."""
+    from optquant.config import to_dict
+    from optquant.tracking import Tracker, open_tracker
+
+    return open_tracker(cfg.log, run_dir, to_dict(cfg)) if rank == 0 else Tracker()
+
+
 def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: float,
-                 val_loss: float) -> None:
+                 val_loss: float) -> dict:
     record = {"step": state["step"], "train_loss": loss, "val_loss": val_loss,
               "lr": cfg.optim.lr * mult, "tokens": state["step"] * cfg.train.batch_size * cfg.model.seq_len}
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
+    return record
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

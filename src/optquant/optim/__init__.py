@@ -22,6 +22,7 @@ from optquant.errors import OptquantError
 from optquant.optim.adamw import AdamWConfig
 from optquant.optim.groups import ParamGroups, split_params
 from optquant.optim.muon import MuonConfig
+from optquant.optim.plugin import PluginConfig, is_plugin
 from optquant.optim.psgd import PSGDConfig
 from optquant.optim.scion import ScionConfig
 from optquant.optim.shampoo import ShampooConfig
@@ -40,10 +41,31 @@ OPTIMIZERS: dict[str, type] = {
 OptimConfig = AdamWConfig | MuonConfig | PSGDConfig | ScionConfig | ShampooConfig | SOAPConfig
 
 
+def is_optimizer(name: str) -> bool:
+    """A built-in optimizer's name or a loadable plugin's (optquant.optim.plugin)."""
+    return name in OPTIMIZERS or is_plugin(name)
+
+
+def optimizer_config(name: str) -> OptimConfig | PluginConfig:
+    """The default config of a built-in optimizer or a plugin; one clear error for an unknown name."""
+    if name in OPTIMIZERS:
+        return OPTIMIZERS[name]()
+    if is_plugin(name):
+        return PluginConfig(name)
+    raise OptquantError(f"unknown optimizer {name!r}: choose one of {', '.join(OPTIMIZERS)}, or name a plugin "
+                        "as module:function, file.py:function or an 'optquant.optimizers' entry point")
+
+
+def optimizer_config_class(name: str) -> type:
+    return OPTIMIZERS[name] if name in OPTIMIZERS else PluginConfig
+
+
 def build_optimizers(model: nn.Module, cfg: OptimConfig) -> list[torch.optim.Optimizer]:
     """The optimizers for `model` under `cfg`; every param group also records its `base_lr`,
     which the schedule multiplies."""
-    if getattr(cfg, "name", None) not in OPTIMIZERS or not isinstance(cfg, OPTIMIZERS[cfg.name]):
+    if isinstance(cfg, PluginConfig):
+        pass
+    elif getattr(cfg, "name", None) not in OPTIMIZERS or not isinstance(cfg, OPTIMIZERS[cfg.name]):
         raise OptquantError(f"optim must be one of the configs of {', '.join(OPTIMIZERS)}, got {cfg!r}")
     optimizers = cfg.build(split_params(model))
     for opt in optimizers:
@@ -80,11 +102,15 @@ __all__ = [
     "OptimConfig",
     "PSGDConfig",
     "ParamGroups",
+    "PluginConfig",
     "SOAPConfig",
     "ScionConfig",
     "ShampooConfig",
     "build_optimizers",
     "ns_dtype",
+    "is_optimizer",
+    "optimizer_config",
+    "optimizer_config_class",
     "split_params",
     "state_bytes",
 ]

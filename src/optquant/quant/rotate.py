@@ -135,19 +135,24 @@ def _fold_(module: nn.Linear | nn.Embedding, left: Tensor | None = None, right: 
     module.weight.copy_(W.to(module.weight.dtype))
 
 
+def _is_attention(inner: nn.Module) -> bool:
+    """Attention (ours, or an HF one seen through optquant.hf.adapter: same q/k/v/o_proj names) or MLP."""
+    return isinstance(inner, Attention) or hasattr(inner, "o_proj")
+
+
 def _output_linear(residual: Residual) -> nn.Linear:
     """o_proj or down_proj (unwrapped if it already has an online rotation)."""
     inner = residual.inner
-    out = inner.o_proj if isinstance(inner, Attention) else inner.down_proj
+    out = inner.o_proj if _is_attention(inner) else inner.down_proj
     return out.linear if isinstance(out, Rotated) else out
 
 
 def _input_linears(residual: Residual) -> list[nn.Linear]:
     """The linears that read the sublayer's input (the residual stream, or its pre-norm)."""
     inner = residual.inner
-    if isinstance(inner, Attention):
+    if _is_attention(inner):
         return [inner.q_proj, inner.k_proj, inner.v_proj]
-    return [inner.up_proj] + ([inner.gate_proj] if inner.gated else [])
+    return [inner.up_proj] + ([inner.gate_proj] if hasattr(inner, "gate_proj") else [])
 
 
 @torch.no_grad()
@@ -193,14 +198,14 @@ def rotate_inputs_(residual: Residual, Q: Tensor) -> None:
 
 def rotate_attention_inputs_(residual: Residual, Q: Tensor) -> None:
     """W → W·Q for q/k/v; their outputs (heads, QK-norm, RoPE) are untouched."""
-    if not isinstance(residual.inner, Attention):
+    if not _is_attention(residual.inner):
         raise OptquantError("rotate_attention_inputs_ expects an attention sublayer")
     rotate_inputs_(residual, Q)
 
 
 def rotate_mlp_inputs_(residual: Residual, Q: Tensor) -> None:
     """W → W·Q for up (and gate)."""
-    if isinstance(residual.inner, Attention):
+    if _is_attention(residual.inner):
         raise OptquantError("rotate_mlp_inputs_ expects an MLP sublayer")
     rotate_inputs_(residual, Q)
 

@@ -16,12 +16,13 @@ value of each hyperparameter is kept for the next one and for every size.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from optquant.config import parse_value, set_field
 from optquant.errors import OptquantError
-from optquant.optim import OPTIMIZERS
+from optquant.optim import OPTIMIZERS, is_optimizer, optimizer_config
 from optquant.study.bracket import round_lr
 
 ALL_OPTIMIZERS = ("adamw", "muon", "psgd", "scion", "shampoo", "soap")
@@ -55,7 +56,9 @@ def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
     """Explicit grid, or `lr_points` values log-spaced by `lr_step` around the optimizer's default lr."""
     if optimizer in spec.lrs:
         return tuple(spec.lrs[optimizer])
-    center = OPTIMIZERS[optimizer]().lr
+    center = optimizer_config(optimizer).lr
+    if math.isnan(center):  # a plugin without default_lr
+        raise OptquantError(f"optimizer {optimizer!r} declares no default_lr: give its grid, lrs.{optimizer}=...")
     k = spec.lr_points
     return tuple(round_lr(center * spec.lr_step ** (i - (k - 1) / 2)) for i in range(k))
 
@@ -143,7 +146,7 @@ def apply_study_overrides(spec: StudySpec, overrides: list[str]) -> StudySpec:
 
 
 def _known_optimizer(name: str, where: str) -> str:
-    if name not in OPTIMIZERS:
+    if not is_optimizer(name):
         raise OptquantError(f"{where}: unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
     return name
 

@@ -1,0 +1,89 @@
+"""`optquant ptq --hf PATH` and `optquant analyze --hf PATH`: the run analyses on a local HF causal LM.
+
+The model is the HF folder's weights seen through `optquant.hf.adapter.HFLM`; the text is our corpus
+(`data.source`, the embedded one by default) split by document exactly as for our runs and encoded with
+the folder's own tokenizer, its EOS token after every document. Validation windows (val loss, outliers,
+ABC) come from the held-out documents, GPTQ calibration from the first training documents, and the
+built-in multiple-choice task from the held-out stream, all seeded as for our runs. Results go to
+`OUT/<scheme>/` (default OUT: `hf-analysis/<folder name>`), the same files `optquant ptq/analyze` write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from optquant.analysis import AnalysisConfig, analyze_model, ptq_eval_model
+from optquant.config import RunConfig, TrainConfig
+from optquant.data import DataConfig, TokenData, read_documents, split_documents
+from optquant.errors import OptquantError
+from optquant.hf import load_hf, require_transformers
+from optquant.model import ModelConfig
+from optquant.quant.ptq import PTQConfig
+
+TRAIN_TOKENS_PER_SEQUENCE = 4  # calibration needs gptq_sequences windows: encode ~4x that many train tokens
+
+
+@dataclass(frozen=True)
+class HFSource:
+    path: Path
+    data: DataConfig = DataConfig()
+    seq_len: int = 128
+    batch_size: int = 8
+
+
+def hf_tokens(src: HFSource, train_tokens: int) -> TokenData:
+    """Held-out documents fully, and the first training documents up to `train_tokens` tokens, encoded with
+    the folder's tokenizer (AutoTokenizer's fast backend), EOS after each document."""
+    transformers = require_transformers()
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(src.path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise OptquantError(f"{src.path}: no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None or tok.eos_token_id is None:
+        raise OptquantError(f"{src.path}: the tokenizer needs a fast (tokenizer.json) backend and an EOS token")
+    train_docs, val_docs = split_documents(read_documents(src.data), src.data)
+
+    def encode(docs, limit: int | None) -> np.ndarray:
+        out, n = [], 0
+        for i in range(0, len(docs), 256):
+            for e in backend.encode_batch([t for _, t in docs[i: i + 256]], add_special_tokens=False):
+                out.append(np.array([*e.ids, tok.eos_token_id], dtype=np.int64))
+                n += out[-1].size
+            if limit is not None and n >= limit:
+                break
+        return np.concatenate(out)
+
+    vocab = len(tok)
+    return TokenData(encode(train_docs, train_tokens), encode(val_docs, None), vocab, backend, tok.eos_token_id,
+                     f"hf:{src.path}")
+
+
+def _setup(src: HFSource, acfg: AnalysisConfig):
+    model = load_hf(src.path, src.seq_len)
+    seq_len = model.cfg.seq_len
+    cfg = RunConfig(name=Path(src.path).name, model=ModelConfig(vocab_size=model.cfg.vocab_size, seq_len=seq_len),
+                    data=src.data, train=TrainConfig(batch_size=src.batch_size, eval_batches=8))
+    data = hf_tokens(src, TRAIN_TOKENS_PER_SEQUENCE * acfg.gptq_sequences * (seq_len + 1))
+    if data.vocab_size > model.cfg.vocab_size:
+        raise OptquantError(f"{src.path}: the tokenizer has {data.vocab_size} tokens but the model only "
+                            f"{model.cfg.vocab_size} embeddings")
+    return cfg, model, data
+
+
+def default_out(path: Path) -> Path:
+    return Path("hf-analysis") / Path(path).resolve().name
+
+
+def hf_ptq_eval(src: HFSource, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
+    cfg, model, data = _setup(src, acfg)
+    return ptq_eval_model(cfg, model, data, qcfg, acfg, Path(out) / qcfg.name)
+
+
+def hf_analyze(src: HFSource, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
+    cfg, model, data = _setup(src, acfg)
+    return analyze_model(cfg, model, data, qcfg, acfg, Path(out) / qcfg.name)

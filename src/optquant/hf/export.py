@@ -1,0 +1,98 @@
+"""`optquant export RUN --hf OUT`: a Llama-variant run as a Hugging Face `LlamaForCausalLM` folder, exactly.
+
+The mapping (optquant.model's llama arch → HF Llama):
+- pre-norm residual sublayers, SwiGLU MLP (down(silu(gate x) · up x)), no biases, 1/√Dh attention, GQA
+  with each key/value head shared by consecutive query heads: the same in both;
+- RMSNorm: torch's nn.RMSNorm with eps=None uses the dtype's machine epsilon, so rms_norm_eps = that
+  (fp32: 1.19e-7);
+- RoPE: ours rotates interleaved pairs (x[2i], x[2i+1]), HF's rotate_half the pairs (x[i], x[i+Dh/2]),
+  both with frequency base^(−2i/Dh). Permuting the rows of q_proj and k_proj within each head to
+  [0, 2, 4, …, 1, 3, 5, …] turns one into the other; q·k is unchanged by a common permutation;
+- tied or untied head: tie_word_embeddings.
+The tokenizer goes along as tokenizer.json (+ tokenizer_config.json) that AutoTokenizer loads, with
+<|endoftext|> as EOS and BOS (our runs separate documents with it).
+
+The paper's OLMo2 variant is refused: HF's Olmo2 has a SwiGLU MLP and RMS QK-norm over all heads with
+a per-channel gain, ours a ReLU² MLP and per-head L2 QK-norm with a per-head scale; no HF architecture
+computes it, and a near match would be a silent approximation. QAT runs are refused too (their
+quantizers are not HF modules).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from optquant.analysis import Weights, load_run_model
+from optquant.data import EOT, load_tokens
+from optquant.errors import OptquantError
+from optquant.hf import require_transformers
+from optquant.model import LM
+
+
+def rope_permutation(head_dim: int) -> torch.Tensor:
+    """Row order within a head taking our interleaved RoPE pairs to HF's half-split ones."""
+    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+
+
+def _per_head(W: torch.Tensor, heads: int, perm: torch.Tensor) -> torch.Tensor:
+    Dh = perm.numel()
+    return W.view(heads, Dh, -1)[:, perm].reshape(heads * Dh, -1).contiguous()
+
+
+def llama_state_dict(model: LM) -> dict[str, torch.Tensor]:
+    """Our llama-variant weights under HF LlamaForCausalLM's names (q/k rows permuted for RoPE)."""
+    cfg = model.cfg
+    perm = rope_permutation(cfg.head_dim)
+    sd = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight,
+          "lm_head.weight": model.lm_head.weight}
+    for i, block in enumerate(model.blocks):
+        attn, mlp, p = block.attn.inner, block.mlp.inner, f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = block.attn.norm.weight
+        sd[p + "post_attention_layernorm.weight"] = block.mlp.norm.weight
+        sd[p + "self_attn.q_proj.weight"] = _per_head(attn.q_proj.weight, cfg.n_head, perm)
+        sd[p + "self_attn.k_proj.weight"] = _per_head(attn.k_proj.weight, cfg.n_kv_head, perm)
+        sd[p + "self_attn.v_proj.weight"] = attn.v_proj.weight
+        sd[p + "self_attn.o_proj.weight"] = attn.o_proj.weight
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            sd[p + f"mlp.{name}.weight"] = getattr(mlp, name).weight
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def llama_config(model: LM, eot_id: int):
+    transformers = require_transformers()
+    cfg = model.cfg
+    return transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+        head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=torch.finfo(torch.float32).eps, rope_theta=cfg.rope_base, attention_bias=False,
+        mlp_bias=False, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=eot_id, eos_token_id=eot_id,
+        pad_token_id=None, torch_dtype="float32",
+    )
+
+
+def export_hf(run_dir: Path, out: Path, weights: Weights = "final") -> Path:
+    """Write run_dir's model (+ tokenizer) as an HF LlamaForCausalLM folder at `out`; returns `out`."""
+    transformers = require_transformers()
+    cfg, model = load_run_model(run_dir, weights)
+    if cfg.model.arch != "llama":
+        raise OptquantError(f"{run_dir}: the {cfg.model.arch} variant (ReLU² MLP, per-head L2 QK-norm with a "
+                            "learned scale) matches no Hugging Face architecture exactly; only model.arch=llama "
+                            "runs export")
+    if cfg.qat is not None:
+        raise OptquantError(f"{run_dir}: a QAT run's quantizers have no Hugging Face equivalent; export FP runs")
+    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    hf = transformers.LlamaForCausalLM(llama_config(model, data.eot_id))
+    missing, unexpected = hf.load_state_dict(llama_state_dict(model), strict=False)
+    if unexpected or [k for k in missing if not (k == "lm_head.weight" and cfg.model.tie_embeddings)]:
+        raise OptquantError(f"export: weight names do not match LlamaForCausalLM ({missing}, {unexpected})")
+    if cfg.model.tie_embeddings:
+        hf.tie_weights()
+    out = Path(out)
+    hf.save_pretrained(out)
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=data.tokenizer, eos_token=EOT, bos_token=EOT,
+                                               model_max_length=cfg.model.seq_len)
+    tok.save_pretrained(out)
+    return out

@@ -1,0 +1,164 @@
+"""Hugging Face models through optquant.hf: for each supported family a tiny random model is built with
+transformers (config → model → save_pretrained into a temp dir; nothing downloads). The adapter's
+sublayer chain must reproduce HF's logits, the Hadamard-rotated chain too, ABC's identity A + B + C = R
+must hold on every row, and `optquant ptq/analyze --hf` must run end to end on a folder with a tokenizer."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from optquant.cli import main
+from optquant.errors import OptquantError
+
+transformers = pytest.importorskip("transformers", reason="needs the hf extra: pip install 'optquant[hf]'")
+
+from optquant.hf import load_hf, load_hf_model  # noqa: E402
+from optquant.metrics.propagation import PropagationConfig, propagation, ptq_pair  # noqa: E402
+from optquant.quant.ptq import PTQConfig  # noqa: E402
+from optquant.quant.rotate import rotate_model_  # noqa: E402
+
+V, T = 96, 12
+COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=None, bos_token_id=0, eos_token_id=0,
+              initializer_range=0.1)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=5),  # T > window: the window matters
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON),  # q/k/v biases
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),  # per-head RMS QK-norm
+    "olmo2": lambda: transformers.Olmo2Config(**COMMON),  # post-sublayer norms, full-width QK-norm
+}
+
+
+def save_tiny(family: str, path, seed: int = 0, vocab_size: int = V):
+    torch.manual_seed(seed)
+    config = FAMILIES[family]()
+    config.vocab_size = vocab_size
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    if family == "qwen2":  # HF initialises biases to zero: make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.bias.normal_(0, 0.5)
+                layer.self_attn.k_proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def tokens(n: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chain_reproduces_hf_logits_and_abc_identity(family, tmp_path):
+    path = save_tiny(family, tmp_path / family)
+    hf, ours = load_hf_model(path), load_hf(path)
+    assert len(ours.sublayers()) == 4 and ours.cfg.arch == family
+    idx = tokens()
+    with torch.no_grad():
+        ref = hf(idx).logits
+        torch.testing.assert_close(ours(idx), ref, rtol=0, atol=1e-5)
+        x = ours.embed(idx)  # the chain, walked the way the ABC analysis walks it
+        for sub in ours.sublayers():
+            x = sub(x)
+        torch.testing.assert_close(ours.head(x), ref, rtol=0, atol=1e-5)
+        rotated = rotate_model_(copy.deepcopy(ours))
+        torch.testing.assert_close(rotated(idx), ref, rtol=0, atol=1e-5)
+    for qcfg in (PTQConfig(), PTQConfig(method="gptq", rotation="hadamard")):
+        fp, q = ptq_pair(ours, qcfg, tokens(8, seed=2))
+        with torch.no_grad():
+            assert (q(idx) - fp(idx)).abs().max() > 1e-3  # the quantizer really acted
+        rows, summary = propagation(fp, q, [idx], PropagationConfig(granularity="linear", skip=("lm_head",)))
+        assert len([r for r in rows if r.kind == "linear"]) == 2 * 2 * 7  # norms × layers × (q,k,v,o,gate,up,down)
+        for r in rows:
+            assert r.R == pytest.approx(r.A + r.B + r.C, rel=1e-9, abs=1e-15), (qcfg.name, r)
+        assert summary.R_L > 0
+
+
+def test_sliding_window_is_applied(tmp_path):
+    """The Mistral window changes the logits at T > window: the adapter must not fall back to full causal."""
+    path = save_tiny("mistral", tmp_path / "m")
+    ours = load_hf(path)
+    idx = tokens()
+    with torch.no_grad():
+        windowed = ours(idx)
+        for sub in ours.sublayers():
+            sub.window = None
+        assert (ours(idx) - windowed).abs().max() > 1e-4
+
+
+def _with_tokenizer(path, corpus):
+    from optquant.data import train_tokenizer
+
+    texts = [p.read_text() for p in sorted(corpus.iterdir())]
+    tok = train_tokenizer(texts, 320)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
+    return path
+
+
+def test_ptq_and_analyze_cli_on_an_hf_folder(tmp_path, corpus, capsys):
+    path = _with_tokenizer(save_tiny("llama", tmp_path / "llama", vocab_size=320), corpus)
+    out = tmp_path / "out"
+    common = ["--hf", str(path), "--data", str(corpus), "--seq-len", "32", "--out", str(out)]
+    assert main(["ptq", *common, "--mc-items", "20"]) == 0
+    summary = json.loads((out / "w4a4-rtn" / "summary.json").read_text())
+    assert summary["val_loss_fp"] > 0 and summary["val_loss_q"] != summary["val_loss_fp"]  # a random model: any sign
+    assert 0 <= summary["mc_acc_q"] <= 1
+    assert main(["analyze", *common, "--method", "gptq", "--rotation", "hadamard", "--mc-items", "0"]) == 0
+    result = json.loads((out / "w4a4-gptq-had" / "analysis.json").read_text())
+    assert result["R_L"] > 0 and (out / "w4a4-gptq-had" / "propagation.parquet").exists()
+    capsys.readouterr()
+    assert main(["ptq", "--hf", str(tmp_path)]) == 2  # not a model folder: one line, exit 2
+    assert "not a Hugging Face model folder" in capsys.readouterr().err
+
+
+def test_unsupported_family_is_one_clear_error(tmp_path):
+    cfg = transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(OptquantError, match="model_type 'gpt2' is not supported"):
+        load_hf(tmp_path / "gpt2")
+
+
+@pytest.fixture(params=[False, True], ids=["untied", "tied"])
+def llama_run(nano_cfg, tmp_path, request):
+    from optquant.config import apply_overrides
+    from optquant.runs import run_dir
+    from optquant.train import train
+
+    cfg = apply_overrides(nano_cfg, ["model.arch=llama", "model.n_kv_head=1", f"model.tie_embeddings={request.param}",
+                                     "train.steps=10"])
+    path = run_dir(tmp_path / "runs", cfg)
+    assert train(cfg, path)["status"] == "done"
+    return path
+
+
+def test_export_llama_run_matches_our_logits_and_tokenizer(llama_run, tmp_path, corpus):
+    from optquant.analysis import load_run_model
+    from optquant.data import load_tokens
+
+    out = tmp_path / "exported"
+    assert main(["export", str(llama_run), "--hf", str(out)]) == 0
+    cfg, ours = load_run_model(llama_run)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    idx = torch.randint(0, cfg.model.vocab_size, (3, cfg.model.seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx), rtol=0, atol=1e-5)
+    tok = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    text = (corpus / "doc000.txt").read_text()[:300]
+    assert tok(text, add_special_tokens=False)["input_ids"] == data.tokenizer.encode(text).ids
+    assert tok.eos_token_id == data.eot_id and tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
+
+
+def test_export_refuses_the_olmo2_variant(nano_cfg, tmp_path, capsys):
+    from optquant.runs import run_dir
+    from optquant.train import train
+
+    path = run_dir(tmp_path / "runs", nano_cfg)
+    train(nano_cfg, path)
+    assert main(["export", str(path), "--hf", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "matches no Hugging Face architecture exactly" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
