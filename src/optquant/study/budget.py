@@ -1,0 +1,100 @@
+"""`optquant study --dry-run`: a study's jobs per stage and its cost, computed from the StudySpec alone.
+
+The job counts are an estimate with an upper bound where the study decides at run time: every
+(optimizer, size) may extend its LR grid up to `MAX_EXTENSIONS` times and refine it once; extra seeds
+train the best LR, the Common-Loss re-run and the QAT runs; PTQ covers every CL model and every FP run
+of the LR sweep, each with every scheme. Training cost counts a CL re-run at its full budget (it stops
+at its first crossing, so it usually costs less). PTQ and analysis jobs are a few forward passes over
+evaluation batches and are left out of the GPU-hours (well under 1 % of them at the paper's budget).
+A QAT run is costed as its FP twin: QuEST's quantizers are elementwise work outside the 6·N·D count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optquant.budget import PlanConfig, RunBudget, gb, meta_model, run_budget
+from optquant.config import RunConfig, apply_overrides, run_preset
+from optquant.study.spec import StudySpec, lr_grid
+
+def run_config(spec: StudySpec, size: str, opt: str, extra: tuple[str, ...] = ()) -> RunConfig:
+    """One run of the study as its planner builds it (the LR and seed change neither cost nor memory)."""
+    return apply_overrides(run_preset(size), [*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()),
+                                              *extra])
+
+
+MAX_EXTENSIONS = 3  # LR-grid extensions per (optimizer, size), upper bound
+REFINEMENTS = 1  # one refinement point per (optimizer, size) after bracketing
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    jobs: int
+    train_runs: dict[tuple[str, str], int]  # (optimizer, size) → full-budget training runs in the stage
+
+
+def stages(spec: StudySpec) -> list[Stage]:
+    """The study's stages with their job counts (upper bounds where the study decides at run time)."""
+    opts, sizes, seeds = spec.optimizers, spec.sizes, len(spec.seeds)
+    pairs = [(o, s) for o in opts for s in sizes]
+    sweep = {(o, sizes[0]): sum(len(v) for v in spec.sweeps.get(o, {}).values()) for o in opts}
+    grid = {(o, s): len(lr_grid(spec, o)) for o, s in pairs}
+    ext = {k: MAX_EXTENSIONS + REFINEMENTS for k in pairs}
+    best_seeds = {k: seeds - 1 for k in pairs}
+    cl = {k: seeds for k in pairs}
+    qat = {k: seeds * len(spec.qat_bits) for k in pairs}
+    fp_runs = sum(grid.values()) + sum(ext.values()) + sum(best_seeds.values())
+    ptq = (sum(cl.values()) + fp_runs) * len(spec.ptq_schemes)
+    out = [
+        Stage("sweeps (smallest size)", sum(sweep.values()), sweep),
+        Stage("fp LR grid", sum(grid.values()), grid),
+        Stage(f"fp extensions (≤ {MAX_EXTENSIONS}) + refinement", sum(ext.values()), ext),
+        Stage("fp best LR, other seeds", sum(best_seeds.values()), best_seeds),
+        Stage("common loss re-runs (≤ full budget)", sum(cl.values()), cl),
+        Stage("ptq + analysis (CL models and FP runs × schemes)", ptq, {}),
+        Stage("outliers of every FP run", fp_runs, {}),
+        Stage("qat", sum(qat.values()), qat),
+    ]
+    return [s for s in out if s.jobs]
+
+
+def run_budgets(spec: StudySpec, plan: PlanConfig) -> dict[tuple[str, str], RunBudget]:
+    """(optimizer, size) → the budget of one FP run (the LR does not change cost or memory)."""
+    out = {}
+    for size in spec.sizes:
+        model = None
+        for opt in spec.optimizers:
+            cfg = run_config(spec, size, opt)
+            model = model or meta_model(cfg)
+            out[(opt, size)] = run_budget(cfg, plan, model)
+    return out
+
+
+def study_lines(spec: StudySpec, plan: PlanConfig = PlanConfig()) -> list[str]:
+    """The dry-run plan of a study, as printed lines."""
+    acc = plan.accelerator()
+    budgets = run_budgets(spec, plan)
+    lines = [f"study {spec.name}: {len(spec.sizes)} sizes × {len(spec.optimizers)} optimizers, "
+             f"{len(spec.seeds)} seed(s), executor {spec.executor}",
+             f"accelerator {acc.name}: peak bf16 {acc.bf16_flops / 1e12:g} TFLOP/s, assumed MFU {plan.mfu:g}, "
+             f"{gb(acc.memory)} per GPU, {plan.gpus_per_run} GPU(s) per run", "",
+             "per run (one FP run; memory per GPU at the micro-batch):",
+             f"  {'size':>6} {'optimizer':9} {'params':>13} {'tokens':>15} {'FLOPs':>9} {'weights':>9} "
+             f"{'grads':>9} {'opt state':>9} {'acts':>9} {'peak':>9} {'GPU-h':>9}"]
+    warnings = []
+    for (opt, size), b in sorted(budgets.items(), key=lambda kv: (spec.sizes.index(kv[0][1]), kv[0][0])):
+        lines.append(f"  {size:>6} {opt:9} {b.n_params:>13,} {b.tokens:>15,} {b.flops:>9.3g} {gb(b.weights):>9} "
+                     f"{gb(b.grads):>9} {gb(b.state):>9} {gb(b.activations):>9} {gb(b.memory):>9} "
+                     f"{b.gpu_hours:>9.3g}")
+        if not b.fits:
+            warnings.append(f"WARNING {size} {opt}: needs {gb(b.memory)} > {gb(acc.memory)}; fix: {b.fix}")
+    lines += ["", "jobs per stage (an estimate; bounds where the study decides at run time):"]
+    total_jobs, total_hours = 0, 0.0
+    for stage in stages(spec):
+        hours = sum(n * budgets[k].gpu_hours for k, n in stage.train_runs.items())
+        total_jobs, total_hours = total_jobs + stage.jobs, total_hours + hours
+        lines.append(f"  {stage.name:52} {stage.jobs:>6} jobs" + (f"  {hours:>10,.1f} GPU-h" if hours else ""))
+    lines.append(f"  {'total (upper bound)':52} {total_jobs:>6} jobs  {total_hours:>10,.1f} GPU-h "
+                 f"(training only, at MFU {plan.mfu:g})")
+    return lines + ([""] + warnings if warnings else [])
