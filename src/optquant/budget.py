@@ -63,6 +63,9 @@ class PlanConfig:
         return ACCELERATORS[self.gpu]
 
 
+DEFAULT_PLAN = PlanConfig()
+
+
 def split_plan_overrides(overrides: list[str]) -> tuple[PlanConfig, list[str]]:
     """(PlanConfig from the `plan.*` overrides, the other overrides)."""
     from optquant.config import _set
@@ -260,7 +263,7 @@ def training_flops(cfg, n_matmul: int, tokens: int) -> float:
     return 6.0 * n_matmul * tokens + 12.0 * m.n_layer * m.d_model * m.seq_len * tokens
 
 
-def run_budget(cfg, plan: PlanConfig = PlanConfig(), model: nn.Module | None = None) -> RunBudget:
+def run_budget(cfg, plan: PlanConfig = DEFAULT_PLAN, model: nn.Module | None = None) -> RunBudget:
     """The cost and peak memory of training `cfg` (a RunConfig) as planned by `plan`."""
     from optquant.model import count_params
     from optquant.train import total_steps
@@ -319,7 +322,7 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def budget_lines(cfg, plan: PlanConfig = PlanConfig()) -> list[str]:
+def budget_lines(cfg, plan: PlanConfig = DEFAULT_PLAN) -> list[str]:
     """`optquant train --dry-run`: the plan of one run, as printed lines."""
     acc, b = plan.accelerator(), run_budget(cfg, plan)
     lines = [

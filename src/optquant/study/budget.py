@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optquant.budget import PlanConfig, RunBudget, gb, meta_model, run_budget
+from optquant.budget import DEFAULT_PLAN, PlanConfig, RunBudget, gb, meta_model, run_budget
 from optquant.config import RunConfig, apply_overrides, run_preset
 from optquant.study.spec import StudySpec, lr_grid
+
 
 def run_config(spec: StudySpec, size: str, opt: str, extra: tuple[str, ...] = ()) -> RunConfig:
     """One run of the study as its planner builds it (the LR and seed change neither cost nor memory)."""
@@ -71,7 +72,7 @@ def run_budgets(spec: StudySpec, plan: PlanConfig) -> dict[tuple[str, str], RunB
     return out
 
 
-def study_lines(spec: StudySpec, plan: PlanConfig = PlanConfig()) -> list[str]:
+def study_lines(spec: StudySpec, plan: PlanConfig = DEFAULT_PLAN) -> list[str]:
     """The dry-run plan of a study, as printed lines."""
     acc = plan.accelerator()
     budgets = run_budgets(spec, plan)
