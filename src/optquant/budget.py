@@ -245,6 +245,11 @@ class RunBudget:
     def memory(self) -> int:
         return self.weights + self.grads + self.state + self.activations
 
+    @property
+    def step_seconds(self) -> float:
+        """GPU-seconds of one optimizer step at the assumed MFU (wall seconds on one GPU)."""
+        return self.gpu_hours * 3600 / self.steps
+
 
 def meta_model(cfg) -> nn.Module:
     """The run's model (QAT layers included) on the meta device: shapes without storage."""
@@ -333,7 +338,8 @@ def budget_lines(cfg, plan: PlanConfig = DEFAULT_PLAN) -> list[str]:
         f"  peak memory {gb(b.memory)} per GPU at micro-batch {b.micro_batch}: weights {gb(b.weights)}, "
         f"gradients {gb(b.grads)}, optimizer state {gb(b.state)}, activations ≈ {gb(b.activations)}",
         f"  {b.gpu_hours:.3g} GPU-hours on {plan.gpus_per_run}× {acc.name} "
-        f"(peak bf16 {acc.bf16_flops / 1e12:g} TFLOP/s, assumed MFU {plan.mfu:g})",
+        f"(peak bf16 {acc.bf16_flops / 1e12:g} TFLOP/s, assumed MFU {plan.mfu:g}), "
+        f"{b.step_seconds / plan.gpus_per_run:.3g} s per optimizer step",
     ]
     if not b.fits:
         lines.append(f"  WARNING: needs {gb(b.memory)} > {gb(acc.memory)} of the {acc.name}; fix: {b.fix}")
