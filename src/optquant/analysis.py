@@ -74,6 +74,23 @@ def load_run_model(run_dir: Path, weights: Weights = "final") -> tuple[RunConfig
     return cfg, load_weights(path, model).eval()
 
 
+class LoadedRun:
+    """A run's config, model and tokens, loaded once and shared by the PTQ and analysis of one job,
+    with the (FP reference, quantized copy) pair of each scheme built once (GPTQ included)."""
+
+    def __init__(self, run_dir: Path, weights: Weights):
+        self.cfg, self.model = load_run_model(run_dir, weights)
+        self.data = load_tokens(self.cfg.data, self.cfg.model.vocab_size)
+        self._pairs: dict[tuple, tuple[nn.Module, nn.Module]] = {}
+
+    def pair(self, qcfg: PTQConfig, acfg: AnalysisConfig) -> tuple[nn.Module, nn.Module]:
+        key = (qcfg, acfg.gptq_sequences)
+        if key not in self._pairs:
+            calib = None if qcfg.method == "rtn" else _gptq_calib(self.cfg, self.data, acfg)
+            self._pairs[key] = ptq_pair(self.model, qcfg, calib)
+        return self._pairs[key]
+
+
 def _batches(cfg: RunConfig, tokens, n: int, seed: int) -> list:
     micro = cfg.train.batch_size // cfg.train.grad_accum
     return fixed_batches(tokens, n, micro, cfg.model.seq_len, seed=seed)
@@ -89,12 +106,14 @@ def out_dir(run_dir: Path, acfg: AnalysisConfig, scheme: str) -> Path:
     return Path(run_dir) / "ptq" / acfg.weights / scheme
 
 
-def ptq_eval(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig()) -> dict[str, Any]:
-    """Val loss and MC accuracy of the FP model and its quantized copy; writes summary.json."""
-    cfg, model = load_run_model(run_dir, acfg.weights)
-    data = load_tokens(cfg.data, cfg.model.vocab_size)
+def ptq_eval(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig(),
+             run: LoadedRun | None = None) -> dict[str, Any]:
+    """Val loss and MC accuracy of the FP model and its quantized copy; writes summary.json.
+    `run`: the run already loaded (shared with `analyze` in one job)."""
+    run = run or LoadedRun(run_dir, acfg.weights)
+    cfg, data = run.cfg, run.data
     val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
-    fp, q = ptq_pair(model, qcfg, _gptq_calib(cfg, data, acfg) if qcfg.method == "gptq" else None)
+    fp, q = run.pair(qcfg, acfg)
     out = {"scheme": qcfg.name, "weights": acfg.weights, "ptq": dataclasses.asdict(qcfg)}
     for tag, m in (("fp", fp), ("q", q)):
         out[f"val_loss_{tag}"] = val_loss(m, val).loss
@@ -108,14 +127,16 @@ def ptq_eval(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConf
     return out
 
 
-def analyze(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig()) -> dict[str, Any]:
-    """Outliers of the FP model and the ABC decomposition against its quantized copy."""
-    cfg, model = load_run_model(run_dir, acfg.weights)
-    data = load_tokens(cfg.data, cfg.model.vocab_size)
+def analyze(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig(),
+            run: LoadedRun | None = None) -> dict[str, Any]:
+    """Outliers of the FP model and the ABC decomposition against its quantized copy.
+    `run`: the run already loaded (shared with `ptq_eval` in one job)."""
+    run = run or LoadedRun(run_dir, acfg.weights)
+    cfg, model, data = run.cfg, run.model, run.data
     calib = _batches(cfg, data.val, acfg.calib_batches, cfg.seed + 12345)
     skip = () if qcfg.quantize_head else ("lm_head",)
     layers = outlier_metrics(model, calib, skip=skip)
-    fp, q = ptq_pair(model, qcfg, None if qcfg.method == "rtn" else _gptq_calib(cfg, data, acfg))
+    fp, q = run.pair(qcfg, acfg)
     rows, summary = propagation(fp, q, calib, PropagationConfig(granularity=acfg.granularity, skip=skip))
     out = out_dir(run_dir, acfg, qcfg.name)
     write_parquet(out / "outliers.parquet", pd.DataFrame([dataclasses.asdict(r) for r in layers]))
