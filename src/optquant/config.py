@@ -43,6 +43,7 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 autocast where it is fast
     cl_threshold: float | None = None  # Common Loss: keep the model that first reaches this val loss
     stop_at_cl: bool = False  # end the run at that first crossing (a study's CL re-run needs no more)
+    compile: Literal["auto", "on", "off"] = "auto"  # torch.compile; auto = on for CUDA (not in the run id)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,12 @@ def run_preset(name: str) -> RunConfig:
 
 
 def config_hash(cfg: Any) -> str:
-    return hashlib.sha1(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:10]
+    """The run id's hash. `train.compile` is left out: how a run executes is not which run it is (and
+    run ids from before the setting existed stay valid)."""
+    data = to_dict(cfg)
+    if isinstance(data.get("train"), dict):
+        data["train"].pop("compile", None)
+    return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def run_id(cfg: RunConfig) -> str:
