@@ -4,7 +4,9 @@ auto = on for CUDA (where every anchor trains compiled) and off on CPU, where a 
 than its compilation (benchmarks/train_throughput.py measures both). The compiled module shares its
 parameters with the eager one, so the optimizers, checkpoints and weights use the eager module's names;
 checkpoint.py strips the `_orig_mod.` prefix a compiled module's state dict carries, so weights load
-either way. Study workers share one compile cache through TORCHINDUCTOR_CACHE_DIR when it is set.
+either way. Study workers are processes of one user with the study's environment, so they share
+inductor's on-disk compile cache (TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER): a size
+compiles once per worker process, and later processes load the cached kernels.
 """
 
 from __future__ import annotations
