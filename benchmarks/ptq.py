@@ -3,8 +3,8 @@
 Part 1: one linear layer W (out, in) with correlated inputs X = Z·(I + G/√in) and 8 outlier input
 channels scaled ×10 (the setup of dependencies.md §2). Reports the relative layer-output error
 ‖X(W − Ŵ)ᵀ‖/‖XWᵀ‖ of RTN and GPTQ (with and without act_order), and GPTQ's seconds per layer
-(Hessian accumulation excluded, it is shared by all variants). llmcompressor's weight quantizer is
-the external oracle when installed (it is not a dependency; the column then reads n/a).
+(Hessian accumulation excluded, it is shared by all variants). Correctness is not measured here:
+tests/test_gptq.py checks GPTQ against references written the way the paper and IST-DASLab's code do it.
 
 Part 2: seconds of `optquant.metrics.propagation.propagation` (four evaluations per module) as a
 ratio to one FP plus one W4A4-quantized forward over the same batches, beside the implementation before
@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import time
 
 import torch
 
+from optquant.metrics.propagation import PropagationConfig, propagation
 from optquant.model import LM, model_config
-from optquant.quant import PTQConfig, QuantSpec, accumulate_hessian, fake_quant, gptq_quantize, layer_error
-from optquant.quant.ptq import quantize_
+from optquant.quant.gptq import accumulate_hessian, gptq_quantize, layer_error
+from optquant.quant.primitives import QuantSpec, fake_quant
+from optquant.quant.ptq import PTQConfig, quantize_
 
 
 def correlated_inputs(n: int, d: int, seed: int = 0, outliers: int = 8) -> torch.Tensor:
@@ -33,12 +34,6 @@ def correlated_inputs(n: int, d: int, seed: int = 0, outliers: int = 8) -> torch
     X = torch.randn(n, d, generator=g) @ (torch.randn(d, d, generator=g) / d**0.5 + torch.eye(d))
     X[:, torch.randperm(d, generator=g)[:outliers]] *= 10
     return X
-
-
-def llmcompressor_error(W: torch.Tensor, X: torch.Tensor, group: int) -> str:
-    if importlib.util.find_spec("llmcompressor") is None:
-        return "n/a"
-    return "installed; not wired"  # its per-layer API changes between releases: compare by hand
 
 
 def layer_rows(shapes: list[tuple[int, int]], tokens: int) -> list[dict]:
@@ -61,7 +56,6 @@ def layer_rows(shapes: list[tuple[int, int]], tokens: int) -> list[dict]:
                 key = "gptq_ao" if act_order else "gptq"
                 row[key + "_s"] = time.perf_counter() - t
                 row[key] = layer_error(X, W, Q)
-            row["llmc"] = llmcompressor_error(W, X, group)
             rows.append(row)
     return rows
 
@@ -72,8 +66,6 @@ def abc_rows(presets: list[str], n_batches: int) -> list[dict]:
     one W4A4 forward over the same batches (the method's floor is 2: four module evaluations)."""
     import sys
     from pathlib import Path
-
-    from optquant.metrics.propagation import PropagationConfig, propagation
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import propagation_reference as ref
@@ -112,14 +104,14 @@ def main() -> None:
     rows = layer_rows(shapes, tokens=4096)
     head = (
         f"{'layer':>10} {'scheme':>14} {'RTN err':>8} {'GPTQ err':>9} {'GPTQ+ao':>8} "
-        f"{'RTN s':>7} {'GPTQ s':>7} {'+ao s':>7} {'llmcompressor':>14}"
+        f"{'RTN s':>7} {'GPTQ s':>7} {'+ao s':>7}"
     )
     print(head)
     print("-" * len(head))
     for r in rows:
         print(
             f"{r['layer']:>10} {r['scheme']:>14} {r['rtn']:8.4f} {r['gptq']:9.4f} {r['gptq_ao']:8.4f} "
-            f"{r['rtn_s']:7.3f} {r['gptq_s']:7.2f} {r['gptq_ao_s']:7.2f} {r['llmc']:>14}"
+            f"{r['rtn_s']:7.3f} {r['gptq_s']:7.2f} {r['gptq_ao_s']:7.2f}"
         )
     print("\nABC analysis, seconds and ratio to one FP + one W4A4 forward (4 batches × 4 sequences):")
     head = f"{'preset':>7} {'granularity':>11} {'FP+W4A4 s':>10} {'ABC s':>7} {'ratio':>6} {'before s':>9} {'ratio':>6}"

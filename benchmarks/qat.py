@@ -25,7 +25,7 @@ from optquant.model import LM, lm_loss, model_config
 from optquant.optim import AdamWConfig, build_optimizers
 from optquant.quant.qat import QATConfig, prepare_qat_
 
-METHODS: dict[str, QATConfig | None] = {
+QAT_VARIANTS: dict[str, QATConfig | None] = {
     "fp": None,
     "quest": QATConfig(),
     "ste": QATConfig(method="ste"),
@@ -71,7 +71,7 @@ def median_seconds(steps: dict[str, Callable[[], None]], rounds: int, warmup: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS)[1:], choices=list(METHODS)[1:])
+    parser.add_argument("--methods", nargs="+", default=list(QAT_VARIANTS)[1:], choices=list(QAT_VARIANTS)[1:])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -87,7 +87,7 @@ def main() -> None:
     for preset in args.presets:
         for precision in ("fp32", "bf16"):
             bf16 = precision == "bf16"
-            steps = {m: make_step(preset, METHODS[m], bf16, args.batch) for m in ["fp", *args.methods]}
+            steps = {m: make_step(preset, QAT_VARIANTS[m], bf16, args.batch) for m in ["fp", *args.methods]}
             sec = median_seconds(steps, args.steps, args.warmup)
             row = f"{preset:<7} {precision:<9} {sec['fp'] * 1e3:>10.1f}"
             row += "".join(f" {sec[m] * 1e3:>9.1f} {sec[m] / sec['fp']:>8.2f}" for m in args.methods)

@@ -41,7 +41,7 @@ from optquant.model import LM, lm_loss, model_config
 from optquant.optim import AdamWConfig, build_optimizers
 from optquant.train import autocast
 
-PRESETS = ("nano", "micro", "tiny", "small")
+CPU_MODEL_PRESETS = ("nano", "micro", "tiny", "small")
 VOCAB = 4096
 
 
@@ -146,7 +146,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     p.add_argument("--matmul-n", type=int, default=2048)
-    p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=PRESETS)
+    p.add_argument("--presets", nargs="+", default=list(CPU_MODEL_PRESETS), choices=CPU_MODEL_PRESETS)
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="skip the torch.compile column (compiling takes minutes per config on a busy CPU)")
     args = p.parse_args()

@@ -1,5 +1,5 @@
-"""The ABC implementation before its speed-up (commit 28d7dc3), kept verbatim as the reference the fast
-one must match to 1e-12 in fp64 (tests/test_propagation.py). Not used by the package.
+"""The ABC implementation before its speed-up (commit 28d7dc3; imports as on main), kept verbatim as the
+reference the fast one must match to 1e-12 in fp64 (tests/test_propagation.py). Not used by the package.
 
 The ABC decomposition of quantization error propagation, R_L, and linear-layer gains (paper.md §7).
 
@@ -49,7 +49,8 @@ from torch import Tensor, nn
 
 from optquant.errors import OptquantError
 from optquant.metrics.capture import capture
-from optquant.quant.ptq import PTQConfig, linear_layers, quantize_
+from optquant.quant.layers import linear_layers
+from optquant.quant.ptq import PTQConfig, quantize_
 from optquant.quant.rotate import rotate_model_
 
 Norm = Literal["token", "tensor"]

@@ -141,10 +141,14 @@ def test_plan_overrides_and_bad_gpu():
 def test_stage_counts_follow_the_spec():
     spec = study_preset("cpu")
     by_name = {s.name.split(" (")[0]: s.jobs for s in stages(spec)}
-    pairs = len(spec.optimizers) * len(spec.sizes)
-    assert by_name["fp LR grid"] == pairs * spec.lr_points
-    assert by_name["common loss re-runs"] == pairs * len(spec.seeds)
-    assert by_name["qat"] == pairs * len(spec.seeds) * len(spec.qat_bits)
+    pairs, seeds = len(spec.optimizers) * len(spec.sizes), len(spec.seeds)
+    assert by_name["fp sweep"] == pairs * spec.lr_points
+    assert by_name["fp extensions"] == pairs * spec.lr_extensions
+    assert by_name["fp seeds"] == pairs * (seeds - 1)
+    assert by_name["common loss"] == pairs * seeds
+    fp_runs = pairs * (spec.lr_points + spec.lr_extensions + spec.lr_refine + seeds - 1)
+    assert by_name["ptq + analysis"] == pairs * seeds * len(spec.ptq_schemes) + fp_runs * len(spec.sweep_ptq_schemes)
+    assert by_name["qat"] == pairs * seeds * len(spec.qat_bits)
 
 
 def test_cli_dry_runs(capsys):

@@ -77,7 +77,7 @@ def run_job(job: dict) -> int:
     spy_dir.mkdir(parents=True, exist_ok=True)
     models, probe, probe_losses, calls = [], [], [], itertools.count()
     build, get_batch, save_checkpoint = loop.build_model, loop.get_batch, loop.save_checkpoint
-    evaluate = loop.evaluate
+    evaluate = loop.validation_loss
 
     def spy_build(cfg):
         models.append(build(cfg))
@@ -85,10 +85,10 @@ def run_job(job: dict) -> int:
         probe[:] = fixed_batches(val, PROBE_BATCHES, 8, cfg.model.seq_len, seed=PROBE_SEED)
         return models[-1]
 
-    def spy_evaluate(model, batches, device, bf16):
+    def spy_evaluate(model, batches):
         # the same validation set in every layout, whatever the loop's own set depends on
-        probe_losses.append(evaluate(model, probe, device, bf16))
-        return evaluate(model, batches, device, bf16)
+        probe_losses.append(evaluate(model, probe))
+        return evaluate(model, batches)
 
     def spy_save(path, model, state):
         save_checkpoint(path, model, state)
@@ -106,7 +106,7 @@ def run_job(job: dict) -> int:
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(loop, "build_model", spy_build))
         stack.enter_context(mock.patch.object(loop, "save_checkpoint", spy_save))
-        stack.enter_context(mock.patch.object(loop, "evaluate", spy_evaluate))
+        stack.enter_context(mock.patch.object(loop, "validation_loss", spy_evaluate))
         if job["same_data"]:
             stack.enter_context(mock.patch.object(loop, "get_batch", shared_batch))
         code = main(["train", "--out", job["out"], *job["args"]])

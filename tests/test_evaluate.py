@@ -30,7 +30,7 @@ from optquant.evaluate import (
     mc_accuracy,
     mc_eval,
     mc_scores,
-    split_documents,
+    split_at_eot,
     val_loss,
 )
 from optquant.model import LM, model_config
@@ -105,8 +105,8 @@ def test_val_loss_matches_cross_entropy():
         val_loss(model, [])
 
 
-def test_split_documents():
-    docs = split_documents(np.array([5, 6, 0, 7, 0, 0, 8, 9, 9]), eot_id=0)
+def test_split_at_eot():
+    docs = split_at_eot(np.array([5, 6, 0, 7, 0, 0, 8, 9, 9]), eot_id=0)
     assert [d.tolist() for d in docs] == [[5, 6], [7], [8, 9, 9]]
 
 
@@ -117,7 +117,7 @@ def test_items_are_deterministic_and_honest(val, tokenizer):
     assert items != build_mc_items(
         val, MCConfig(**{**cfg.__dict__, "seed": 2}), eot_id=EOT, tokenizer=tokenizer
     )
-    docs = [tuple(int(t) for t in d) for d in split_documents(val, EOT)]
+    docs = [tuple(int(t) for t in d) for d in split_at_eot(val, EOT)]
 
     def doc_of(span):
         return {

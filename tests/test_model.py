@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from optquant.model import LM, PRESETS, ModelConfig, count_params, lm_loss, model_config
+from optquant.model import LM, MODEL_PRESETS, ModelConfig, count_params, lm_loss, model_config
 
 
 def _closed_form_params(cfg: ModelConfig) -> tuple[int, int]:
@@ -36,7 +36,7 @@ def test_causality(arch):
     assert not torch.allclose(a[:, 9:], b[:, 9:])
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", list(MODEL_PRESETS))
 def test_preset_param_counts(preset):
     cfg = model_config(preset)
     with torch.device("meta"):

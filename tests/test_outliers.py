@@ -24,7 +24,7 @@ from optquant.metrics.outliers import (
     outlier_metrics,
 )
 from optquant.model import LM, model_config
-from optquant.quant.ptq import linear_layers
+from optquant.quant.layers import linear_layers
 
 
 def _acts(seed=0, T=200, d=48):
@@ -128,6 +128,12 @@ def test_outlier_metrics_stream_equals_direct():
         assert r.kurt_rms == pytest.approx(kurt_rms(x), rel=1e-7)
         assert r.mmr_mean == pytest.approx(mmr(x, "mean"), rel=1e-6)
         assert r.mmr == pytest.approx(mmr(x, "median"), rel=1e-6, nan_ok=True)
+        # the authors' write_heat: features averaged over the sequences, then max/median per position
+        feats = x.double().reshape(3 * 2, 16, -1).mean(dim=0).abs().numpy()
+        ratio = feats.max(axis=1) / np.median(feats, axis=1)
+        assert r.mmr_batchavg == pytest.approx(ratio[np.isfinite(ratio)].mean(), rel=1e-6, nan_ok=True)
+        if r.kind == "residual":
+            assert r.mmr_batchavg != pytest.approx(r.mmr, rel=1e-3)  # two aggregations, two numbers
     down = next(r for r in rows if r.name.endswith("down_proj"))
     assert down.mmr_skipped > 0.05  # ReLU² zeros make the median vanish for many tokens
     assert all(r.mmr_skipped == 0 for r in rows if not r.name.endswith("down_proj"))

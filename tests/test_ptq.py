@@ -30,6 +30,7 @@ from optquant.quant.ptq import (
     quantize_,
     quantized_copy,
 )
+from optquant.quant.rotate import Rotated
 
 BLOCK_LINEARS = {
     f"blocks.{i}.{p}"
@@ -185,11 +186,11 @@ def test_hadamard_rotation_runs_first(monkeypatch):
 
 
 def test_real_rotation_keeps_fp_function():
-    pytest.importorskip("optquant.quant.rotate")
     model, idx = _lm()
     ref = model(idx)
-    out = quantized_copy(model, PTQConfig(w_bits=16, a_bits=16, rotation="hadamard"))(idx)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    rotated = quantized_copy(model, PTQConfig(w_bits=16, a_bits=16, rotation="hadamard"))
+    assert sum(isinstance(m, Rotated) for m in rotated.modules()) == 4  # one online Hadamard per down_proj / o_proj
+    torch.testing.assert_close(rotated(idx), ref, rtol=1e-4, atol=1e-4)
 
 
 def test_config_names_and_validation():

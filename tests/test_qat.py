@@ -61,12 +61,6 @@ def _slope(c: float, bits: int, h: float = 1e-4) -> float:
     return (gaussian_mse(c + h, bits) - gaussian_mse(c - h, bits)) / (2 * h)
 
 
-def test_clip_scale_four_bits_is_quest_constant():
-    c4 = gaussian_clip_scale(4)
-    assert abs(c4 - 2.513930578568423) < 1e-4  # 2.5140046 vs the code's 2.5139306
-    assert f"{AUTHORS_SCALES[4]:.4f}" == "2.5139"
-
-
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_clip_scales_are_the_authors_table_solved_exactly(bits):
     c, theirs = gaussian_clip_scale(bits), AUTHORS_SCALES[bits]
@@ -325,7 +319,7 @@ def test_qat_trains_with_every_optimizer(name):
     for losses in (fp, qat):
         assert all(math.isfinite(v) for v in losses)
         assert sum(losses[-3:]) / 3 < 0.85 * losses[0]
-    assert math.isfinite(relative_degradation(fp[-1], qat[-1], kind="loss"))
+    assert qat != fp  # same seed and data: only the quantizers in the loop can make them differ
 
 
 def test_lsq_and_ste_train():

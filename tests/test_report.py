@@ -24,7 +24,7 @@ from optquant.report import render_report, report_markdown
 from optquant.report.claims import check_claims
 from optquant.report.figures import fig2_mmr_vs_lr
 from optquant.report.load import load_study
-from optquant.report.tables import table10, table10_joint
+from optquant.report.tables import fit_diagnostics_table, table10, table10_joint
 
 OPTS = ("adamw", "muon", "psgd", "scion", "shampoo", "soap")
 SIZES = {"s1": 2e5, "s2": 6e5, "s3": 1.8e6}
@@ -341,3 +341,35 @@ def test_chromium_loads_every_figure(full, tmp_path):
     m = re.search(r'data-figures="(\d+)/(\d+)"', dom)
     assert m, dom[:500]
     assert m.group(1) == m.group(2) == str(len(_imgs(page)))
+
+
+def test_fit_tables_say_not_identified_and_show_diagnostics(tmp_path):
+    """fits.json from the real fitting code: the fabricated study's 3 sizes (9×) are too few; six sizes over
+    three decades of a known law give numbers and an "identified" verdict."""
+    from optquant.scaling import FitConfig, ScalingPoint, fit_joint, fit_laws
+    from optquant.study.results import fits
+
+    root = make_study(tmp_path / "few", cl=False, fits=None)
+    df = pd.read_parquet(root / "results.parquet")
+    (root / "fits.json").write_text(json.dumps(fits(df[df.optimizer.isin(["adamw", "muon"])], "none")))
+    d = load_study(root)
+    assert [r[1][:40] for r in table10(d).rows] == ["not identified (3 distinct sizes (< 4); "] * 2
+    joint = table10_joint(d)
+    assert all(c.startswith("not identified (whole fit, see below") for r in joint.rows for c in r[1:])
+    assert joint.caption.startswith("The whole fit is not identified: 3 distinct sizes (< 4)")
+    diag = fit_diagnostics_table(d)
+    assert [r[0] for r in diag.rows] == ["AdamW (per optimizer)", "Muon (per optimizer)", "joint (headline)"]
+    assert {r[2] for r in diag.rows} == {"3 over 9×"} and all(r[-1].startswith("not identified: 3") for r in diag.rows)
+
+    rho = {"adamw": 0.85, "muon": 0.75}
+    pts = [ScalingPoint(o, n, 400 / (n * r) ** 0.3 + 1.8, q) for o, rq in rho.items()
+           for n in np.geomspace(1e6, 1e9, 6) for q, r in ((False, 1.0), (True, rq))]
+    cfg = FitConfig(n_boot=6)
+    good = {"per_optimizer": {o: f.to_dict() for o, f in fit_laws(pts, cfg).items()},
+            "joint": fit_joint(pts, cfg).to_dict(), "headline": "joint", "n_count": "non_embedding"}
+    (root / "fits.json").write_text(json.dumps(good, allow_nan=False))
+    d = load_study(root)
+    assert [r[1][:5] for r in table10(d).rows] == ["0.850", "0.750"]
+    assert [r[2][:5] for r in table10_joint(d).rows] == ["0.850", "0.750"]
+    assert "N counts non_embedding" in table10(d).caption and "headline" in table10_joint(d).caption
+    assert [r[-1] for r in fit_diagnostics_table(d).rows] == ["identified"] * 3

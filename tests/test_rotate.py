@@ -18,6 +18,7 @@ from torch import nn
 from optquant.errors import OptquantError
 from optquant.model import LM, model_config
 from optquant.quant.hadamard import block_hadamard, hadamard, largest_pow2_divisor
+from optquant.quant.layers import linear_layers
 from optquant.quant.rotate import (
     OnlineHadamard,
     Rotated,
@@ -45,11 +46,6 @@ def tiny_lm(preset: str = "nano", seed: int = 0, **kw) -> LM:
 def tokens(model: LM, batch: int = 2) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     return torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.seq_len), generator=g)
-
-
-def block_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """What PTQ's linear_layers(model, skip=("lm_head",)) iterates: every nn.Linear but the head."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
 
 
 @pytest.mark.parametrize("n", [1, 2, 64, 128, 256, 1024])
@@ -210,9 +206,9 @@ def test_rotation_spreads_planted_outliers(arch):
 def test_linear_iteration_unchanged_by_rotation():
     for arch in ("olmo2", "llama"):
         model = tiny_lm(arch=arch, n_head=4, n_kv_head=2)
-        before = block_linears(model)
+        before = linear_layers(model)
         rotate_model_(model)
-        after = block_linears(model)
+        after = linear_layers(model)
         assert len(after) == len(before) == 2 * (7 if arch == "llama" else 6)
         assert [id(m) for _, m in after] == [id(m) for _, m in before]  # same objects, same order
         wrapped = [n for n, _ in after if n.endswith(".linear")]

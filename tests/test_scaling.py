@@ -5,6 +5,10 @@ six sizes from 1e6 to 1e9, FP and QAT) must give the parameters back: exactly wi
 5 % with 0.2 % log-normal noise. The joint fit gets three optimizers with different ρ_fp and ρ_4bit.
 Intervals must cover the truth; one corrupted point must not move the Huber fit while it moves
 least squares; unidentifiable inputs raise OptquantError. Bootstraps use few resamples to stay fast.
+Diagnostics: three sizes within 2.3× are "not identified" (with the reason); six sizes over three decades
+are identified and recover the law; ρ intervals wider than the spread between optimizers, and parameters
+at a bound, make a fit "not identified"; the correlation matrix matches one from a finite-difference
+Jacobian of `predict`; repeated sizes (seeds) fit and bootstrap by resampling seeds within each size.
 """
 
 from __future__ import annotations
@@ -25,17 +29,19 @@ SIZES = np.geomspace(1e6, 1e9, 6)
 NO_CI = FitConfig(interval="none")
 
 
-def law_points(opt="adamw", rho=0.85, rho_fp=1.0, noise=0.0, seed=0, bits=(4,), rhos=None):
-    """FP and QAT points from the true law; log-normal noise of relative size `noise`."""
+def law_points(opt="adamw", rho=0.85, rho_fp=1.0, noise=0.0, seed=0, bits=(4,), rhos=None, sizes=SIZES,
+               seeds=None, E=TRUE["E"]):
+    """FP and QAT points from the true law; log-normal noise of relative size `noise`; with `seeds` (a
+    count) one point per seed and size, each with its own noise."""
     rng = np.random.default_rng(seed)
     groups = [(False, 4, 1.0)] + [(True, b, r) for b, r in zip(bits, rhos or [rho], strict=True)]
     pts = []
     for quantized, b, r in groups:
-        for N in SIZES:
-            L = TRUE["A"] / (N * rho_fp * r) ** TRUE["alpha"] + TRUE["E"]
-            pts.append(
-                ScalingPoint(opt, float(N), float(L * math.exp(noise * rng.standard_normal())), quantized, b)
-            )
+        for N in sizes:
+            L = TRUE["A"] / (N * rho_fp * r) ** TRUE["alpha"] + E
+            for k in range(seeds or 1):
+                loss = float(L * math.exp(noise * rng.standard_normal()))
+                pts.append(ScalingPoint(opt, float(N), loss, quantized, b, None if seeds is None else k))
     return pts
 
 
@@ -192,3 +198,138 @@ def test_objective_gradient_matches_finite_differences():
             return S._objective(t, d, x0, delta)[1]
 
         assert check_grad(f, g, theta, epsilon=1e-7) < 1e-4 * np.linalg.norm(g(theta))
+
+
+# ---------------------------------------------------------------- diagnostics and identification
+SPEC = {"adamw": (1.0, 0.85), "muon": (1.3, 0.75), "shampoo": (0.8, 0.9)}  # ρ_fp, ρ_4bit; 4bit spread 0.15
+CLOSE = np.geomspace(1e6, 2.3e6, 3)  # three sizes within 2.3×, like the old cpu preset
+
+
+def spec_points(sizes, noise, seeds=None, spec=SPEC):
+    return [p for i, (o, (rf, r)) in enumerate(spec.items())
+            for p in law_points(o, r, rf, noise, seed=i, sizes=sizes, seeds=seeds)]
+
+
+def test_three_close_sizes_are_not_identified():
+    pts = spec_points(CLOSE, 0.002)
+    fits = fit_laws(pts, NO_CI)  # the size checks need no interval (and the bootstrap is slow here)
+    joint = fit_joint(pts, NO_CI)
+    for fit in [*fits.values(), joint]:
+        assert not fit.identified
+        why = fit.diagnostics.why_not("rho_4bit" if isinstance(fit, LawFit) else "rho_4bit/muon")
+        assert "3 distinct sizes (< 4)" in why and "sizes span 2.3× (< 8×)" in why, why
+        assert fit.to_dict()["diagnostics"]["identified"] is False
+    # α and E are barely separable over 2.3×: the Jacobian is far worse conditioned than over 3 decades
+    wide = fit_joint(spec_points(SIZES, 0.002), NO_CI)
+    assert joint.diagnostics.condition > 10 * wide.diagnostics.condition
+    assert joint.diagnostics.max_abs_correlation > 0.99
+
+
+def test_six_sizes_over_three_decades_are_identified_and_recover_the_law():
+    pts = spec_points(SIZES, 0.002)
+    cfg = FitConfig(n_boot=10)
+    fits = fit_laws(pts, cfg)
+    joint = fit_joint(pts, cfg)
+    for o, (rf, r) in SPEC.items():
+        assert fits[o].identified, fits[o].diagnostics.reasons
+        assert_close(fits[o].rho["4bit"], r, 0.05, o)
+        assert_close(joint.rho[o]["4bit"], r, 0.05, o)
+        assert_close(joint.rho_fp[o], rf, 0.05, o)
+    assert joint.identified, joint.diagnostics.reasons
+    for k, v in TRUE.items():
+        assert_close(getattr(joint, k), v, 0.05, k)
+    diag = joint.diagnostics
+    assert diag.n_sizes == 6 and diag.size_span == pytest.approx(1e3) and joint.at_bound == ()
+    assert diag.residual_rms < 0.004  # the noise is 0.2 %
+    assert 0 < diag.interval_width["rho_4bit/muon"] < 0.15
+
+
+def test_rho_interval_wider_than_the_spread_is_not_identified():
+    close_rho = {"adamw": (1.0, 0.85), "muon": (1.0, 0.853), "shampoo": (1.0, 0.856)}  # spread 0.006
+    pts = spec_points(SIZES, 0.01, spec=close_rho)
+    cfg = FitConfig(n_boot=6)
+    fits = fit_laws(pts, cfg)
+    spread = max(f.rho["4bit"] for f in fits.values()) - min(f.rho["4bit"] for f in fits.values())
+    for f in fits.values():
+        width = f.diagnostics.interval_width["rho_4bit"]
+        assert width > spread  # 1 % noise: ρ known to a few hundredths, optimizers 0.006 apart
+        assert f"interval width {width:.3g} > spread {spread:.3g}" in f.diagnostics.reasons["rho_4bit"]
+        assert not f.identified and "fit" not in f.diagnostics.reasons  # the law itself is fine
+    alone = S.judge({"adamw": fits["adamw"]}, cfg)["adamw"]  # one optimizer: no spread to compare with
+    assert alone.identified, alone.diagnostics.reasons
+    assert S.judge(fits, cfg) == fits  # judging twice changes nothing
+    joint = fit_joint(pts, cfg)
+    assert "across optimizers" in joint.diagnostics.why_not("rho_4bit/muon")
+
+
+def test_at_bound_makes_the_fit_not_identified():
+    capped = fit_law(law_points(rho=1.2, sizes=SIZES), FitConfig(n_boot=5))  # ρ_4bit hits its cap of 1
+    assert capped.at_bound == ("rho_4bit",)
+    assert "rho_4bit at its bound" in capped.diagnostics.reasons["rho_4bit"]
+    assert "fit" not in capped.diagnostics.reasons and not capped.identified
+    no_floor = fit_law(law_points(E=0.0), NO_CI)  # a pure power law: E goes to its lower bound
+    assert "E" in no_floor.at_bound
+    assert "E at its bound" in no_floor.diagnostics.reasons["fit"] and not no_floor.identified
+    free = fit_law(law_points(), FitConfig(n_boot=5))
+    assert free.at_bound == () and free.identified, free.diagnostics.reasons
+
+
+def test_no_interval_is_not_identified():
+    fit = fit_law(law_points(), NO_CI)
+    assert fit.diagnostics.reasons == {"fit": "no intervals computed (interval=none)"}
+    nan = fit_law(law_points()[:3] + law_points()[6:7], FitConfig(interval="loo"))  # every refit fails
+    assert nan.diagnostics.reasons["rho_4bit"] == "no rho_4bit interval (too few identifiable refits)"
+
+
+def test_residuals_and_correlations_match_an_independent_computation():
+    pts = law_points(noise=0.01, seed=2)
+    fit = fit_law(pts, NO_CI)
+    diag = fit.diagnostics
+    want = [math.log(float(predict(fit, p.n_params, p.quantized))) - math.log(p.loss) for p in pts]
+    assert [r["residual"] for r in diag.residuals] == pytest.approx(want, abs=1e-12)
+    assert diag.residual_rms == pytest.approx(math.sqrt(np.mean(np.square(want))))
+    # finite-difference Jacobian of log L̂ in the fit's coordinates (log A at the geometric-mean N, α, log E,
+    # log ρ), through `predict`; correlations from (JᵀJ)⁻¹
+    x0 = float(np.mean(np.log([p.n_params for p in pts])))
+    theta = np.array([math.log(fit.A) - fit.alpha * x0, fit.alpha, math.log(fit.E), math.log(fit.rho["4bit"])])
+
+    def log_pred(t):
+        f = LawFit("adamw", math.exp(t[0] + t[1] * x0), t[1], math.exp(t[2]), {"4bit": math.exp(t[3])}, 0, 0.0,
+                   {}, (), "none")
+        return np.log([float(predict(f, p.n_params, p.quantized)) for p in pts])
+
+    eps = 1e-6
+    J = np.column_stack([(log_pred(theta + eps * e) - log_pred(theta - eps * e)) / (2 * eps) for e in np.eye(4)])
+    cov = np.linalg.inv(J.T @ J)
+    corr = cov / np.sqrt(np.outer(np.diag(cov), np.diag(cov)))
+    assert np.array(diag.correlation) == pytest.approx(corr, abs=1e-5)
+    assert diag.names == ("A", "alpha", "E", "rho_4bit")
+    assert diag.max_abs_correlation == pytest.approx(np.abs(corr[~np.eye(4, dtype=bool)]).max(), abs=1e-5)
+
+
+def test_repeated_sizes_fit_and_bootstrap_seeds_within_each_size():
+    pts = law_points(noise=0.002, seed=6, seeds=3)
+    fit = fit_law(pts, FitConfig(n_boot=10))
+    assert fit.n_points == 36 and fit.diagnostics.n_sizes == 6
+    assert fit.diagnostics.resampling == "seeds within each size"
+    for k, v in (TRUE | {"rho_4bit": 0.85}).items():
+        lo, hi = fit.intervals[k]
+        assert lo < hi and hi - lo < 0.2 * v, f"{k}: interval ({lo}, {hi})"
+    lo, hi = fit.intervals["rho_4bit"]
+    assert lo < fit.rho["4bit"] < hi and 0.002 < hi - lo < 0.05 and fit.identified  # seed noise, not zero
+    assert_close(fit.rho["4bit"], 0.85, 0.02, "rho")
+    assert fit_law(pts, FitConfig(n_boot=10)).intervals == fit.intervals  # seeded
+    # one stratum per size, one cluster per seed holding that seed's FP and QAT points at that size
+    how, strata = S._clusters(pts)
+    assert len(strata) == 6 and all(len(clusters) == 3 for clusters in strata)
+    for clusters in strata:
+        assert len({pts[i].n_params for c in clusters for i in c}) == 1
+        for c in clusters:
+            assert len({pts[i].seed for i in c}) == 1 and {pts[i].precision for i in c} == {"fp", "4bit"}
+    # seeds not recorded: the k-th point of a (optimizer, precision, size) counts as seed k
+    unseeded = [ScalingPoint(p.optimizer, p.n_params, p.loss, p.quantized, p.bits) for p in pts]
+    assert [sorted(map(sorted, s)) for s in S._clusters(unseeded)[1]] == [sorted(map(sorted, s)) for s in strata]
+    # one size with a single seed: resample points within (optimizer, precision) groups, as with one seed
+    mixed = [p for p in pts if not (p.n_params == SIZES[0] and p.seed)]
+    assert S._clusters(mixed)[0] == "points within each (optimizer, precision) group"
+    assert S._clusters(law_points())[0] == "points within each (optimizer, precision) group"

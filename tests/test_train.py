@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from optquant.checkpoint import load_weights
-from optquant.config import RunConfig, TrainConfig, apply_overrides
+from optquant.config import TrainConfig, apply_overrides
 from optquant.errors import OptquantError
 from optquant.model import LM
 from optquant.runs import read_metrics, run_dir
@@ -109,7 +109,6 @@ def test_run_dir_is_keyed_by_config(nano_cfg, tmp_path):
     a = run_dir(tmp_path, nano_cfg)
     b = run_dir(tmp_path, apply_overrides(nano_cfg, ["optim.lr=1e-3"]))
     assert a != b and a == run_dir(tmp_path, nano_cfg)
-    assert isinstance(nano_cfg, RunConfig)
 
 
 def test_bf16_autocast_trains(nano_cfg, tmp_path):
@@ -117,3 +116,35 @@ def test_bf16_autocast_trains(nano_cfg, tmp_path):
     summary = train(cfg, tmp_path / "run")
     assert summary["bf16"] and math.isfinite(summary["final_val_loss"])
     torch.set_autocast_enabled("cpu", False)
+
+
+@pytest.mark.parametrize("name", ["adamw", "shampoo"])
+def test_common_loss_from_kept_checkpoint_equals_a_replay(nano_cfg, tmp_path, name):
+    """The study's CL stage starts each CL run from the source run's kept checkpoint of the last
+    evaluation before the crossing; that must be exactly what a replay from scratch gives, and the fine
+    evaluations must find the crossing to the step."""
+    from safetensors.torch import load_file
+
+    from optquant.study.plan import last_eval_before, seed_from_history
+
+    source_cfg = apply_overrides(nano_cfg, [f"optim.name={name}", "train.keep_history=true"])
+    source = tmp_path / "source"
+    train(source_cfg, source)
+    records = read_metrics(source)
+    assert sorted(p.name for p in (source / "history").iterdir())[0] == "step00000000.safetensors"
+    threshold = (records[1]["val_loss"] + records[2]["val_loss"]) / 2  # between the evals at steps 20 and 30
+    start = last_eval_before(records, threshold)
+    assert start == 20
+    cfg = apply_overrides(nano_cfg, [f"optim.name={name}", f"train.cl_threshold={threshold!r}",
+                                     "train.stop_at_cl=true", "train.cl_eval_every=1", f"train.cl_eval_from={start}"])
+    replay = train(cfg, tmp_path / "replay")
+    seed_from_history(source, start, tmp_path / "resumed")
+    assert (tmp_path / "resumed" / "checkpoint.safetensors").exists()
+    resumed = train(cfg, tmp_path / "resumed")
+    assert 20 < replay["cl_step"] <= 30 and resumed["cl_step"] == replay["cl_step"]
+    a, b = (load_file(p / "cl_model.safetensors") for p in (tmp_path / "replay", tmp_path / "resumed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert read_metrics(tmp_path / "replay") == read_metrics(tmp_path / "resumed")
+    fine = [r for r in read_metrics(tmp_path / "replay") if r["step"] > start]
+    assert [r["step"] for r in fine] == list(range(start + 1, replay["cl_step"] + 1))
+    assert fine[-1]["val_loss"] <= threshold and all(r["val_loss"] > threshold for r in fine[:-1])

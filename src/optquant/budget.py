@@ -68,7 +68,7 @@ DEFAULT_PLAN = PlanConfig()
 
 def split_plan_overrides(overrides: list[str]) -> tuple[PlanConfig, list[str]]:
     """(PlanConfig from the `plan.*` overrides, the other overrides)."""
-    from optquant.config import _set
+    from optquant.config import set_field
 
     plan, rest = PlanConfig(), []
     for item in overrides:
@@ -76,7 +76,7 @@ def split_plan_overrides(overrides: list[str]) -> tuple[PlanConfig, list[str]]:
         if key.strip().startswith("plan."):
             if not sep:
                 raise OptquantError(f"--set {item}: expected key=value, e.g. plan.gpu=a100")
-            plan = _set(plan, key.strip().split(".")[1:], value.strip(), key.strip())
+            plan = set_field(plan, key.strip().split(".")[1:], value.strip(), key.strip())
         else:
             rest.append(item)
     plan.accelerator()

@@ -21,9 +21,9 @@ from typing import Any, Literal
 
 from optquant.data import DataConfig
 from optquant.errors import OptquantError
-from optquant.model import PRESETS, ModelConfig, model_config
+from optquant.model import MODEL_PRESETS, ModelConfig, model_config
 from optquant.optim import OPTIMIZERS, AdamWConfig
-from optquant.quant.qat import QATConfig
+from optquant.quant.qat_config import QATConfig
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ class TrainConfig:
     cl_threshold: float | None = None  # Common Loss: keep the model that first reaches this val loss
     stop_at_cl: bool = False  # end the run at that first crossing (a study's CL re-run needs no more)
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile; auto = on for CUDA (not in the run id)
+    cl_eval_every: int = 0  # while the CL is not reached: also evaluate every this many steps (0 = off)
+    cl_eval_from: int = 0  # ... from this step on (the last regular evaluation before the crossing)
+    keep_history: bool = False  # keep the checkpoint of every evaluation in history/ (a study's LR sweep)
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class RunConfig:
 # Run presets: a model size and the batch settings that suit it. The budget follows from
 # train.tokens_per_param unless train.steps is set.
 RUN_PRESETS: dict[str, dict[str, Any]] = {
+    "zepto": {"train.batch_size": 16, "train.eval_every": 25},
+    "atto": {"train.batch_size": 16, "train.eval_every": 25},
     "femto": {"train.batch_size": 16, "train.eval_every": 25},
     "pico": {"train.batch_size": 16, "train.eval_every": 25},
     "nano": {"train.batch_size": 16, "train.eval_every": 25},
@@ -67,7 +72,7 @@ RUN_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"train.batch_size": 16, "train.eval_every": 100},
     "small": {"train.batch_size": 32, "train.eval_every": 200},
     **{p: {"train.batch_size": 512, "train.grad_accum": 16, "train.eval_every": 200}
-       for p in PRESETS if p[0].isdigit()},
+       for p in MODEL_PRESETS if p[0].isdigit()},
 }
 
 
@@ -99,14 +104,15 @@ def to_dict(cfg: Any) -> dict:
 # --- parsing values by type -------------------------------------------------------------------
 
 
-def _parse(value: str, tp: Any, path: str) -> Any:
+def parse_value(value: str, tp: Any, path: str) -> Any:
+    """`value` (a string from --set or TOML) as type `tp`; errors name the dotted `path`."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value.lower() in ("none", "null") and type(None) in args:
             return None
         for arg in (a for a in args if a is not type(None)):
             try:
-                return _parse(value, arg, path)
+                return parse_value(value, arg, path)
             except OptquantError:
                 continue
         raise OptquantError(f"--set {path}={value}: not a valid {tp}")
@@ -129,7 +135,7 @@ def _parse(value: str, tp: Any, path: str) -> Any:
     if tp is str:
         return value
     if origin in (tuple, list):
-        return tp(_parse(v.strip(), args[0], path) for v in value.strip("()[]").split(",") if v.strip())
+        return tp(parse_value(v.strip(), args[0], path) for v in value.strip("()[]").split(",") if v.strip())
     raise OptquantError(f"--set {path}: cannot set a field of type {tp}")
 
 
@@ -137,7 +143,8 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _set(cfg: Any, keys: list[str], value: str, path: str) -> Any:
+def set_field(cfg: Any, keys: list[str], value: str, path: str) -> Any:
+    """A copy of dataclass `cfg` with the field at `keys` (a dotted path, split) set to `value`, parsed."""
     if not is_dataclass(cfg):
         raise OptquantError(f"--set {path}: {'.'.join(keys[:-1]) or path} has no fields")
     key, types_ = keys[0], _field_types(type(cfg))
@@ -145,8 +152,10 @@ def _set(cfg: Any, keys: list[str], value: str, path: str) -> Any:
         known = ", ".join(f.name for f in fields(cfg))
         raise OptquantError(f"--set {path}: unknown field {key!r} (known: {known})")
     if len(keys) == 1:
-        return replace(cfg, **{key: _parse(value, types_[key], path)})
-    return replace(cfg, **{key: _set(getattr(cfg, key), keys[1:], value, path)})
+        return replace(cfg, **{key: parse_value(value, types_[key], path)})
+    return replace(cfg, **{key: set_field(getattr(cfg, key), keys[1:], value, path)})
+
+
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
@@ -171,7 +180,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             continue
         if key.startswith("qat.") and cfg.qat is None:
             cfg = replace(cfg, qat=QATConfig())
-        cfg = _set(cfg, key.split("."), value, key)
+        cfg = set_field(cfg, key.split("."), value, key)
     return cfg
 
 

@@ -96,7 +96,7 @@ class MCResult:
     n_items: int
 
 
-def split_documents(tokens: np.ndarray, eot_id: int) -> list[np.ndarray]:
+def split_at_eot(tokens: np.ndarray, eot_id: int) -> list[np.ndarray]:
     """The documents of a token stream separated by `eot_id` (empty ones dropped)."""
     tokens = np.asarray(tokens)
     cuts = np.flatnonzero(tokens == eot_id)
@@ -134,7 +134,7 @@ def build_mc_items(
     tokens: np.ndarray, cfg: MCConfig = MCConfig(), *, eot_id: int, tokenizer=None
 ) -> list[MCItem]:
     """Deterministic (seeded) items from a validation token stream; see the module docstring."""
-    docs = split_documents(tokens, eot_id)
+    docs = split_at_eot(tokens, eot_id)
     need = cfg.context_len + cfg.cont_len
     ctx_docs = np.array([i for i, d in enumerate(docs) if len(d) >= need])
     src_docs = np.array([i for i, d in enumerate(docs) if len(d) >= cfg.cont_len])

@@ -65,7 +65,9 @@ class ModelConfig:
 
 # Size presets. Widths are multiples of 128 for the paper sizes, so every linear input dimension
 # (D and the MLP hidden width) admits the 128-block Hadamard of QuEST. Counts are in the README.
-PRESETS: dict[str, dict] = {
+MODEL_PRESETS: dict[str, dict] = {
+    "zepto": dict(n_layer=1, d_model=16, n_head=2, n_kv_head=2, seq_len=64),
+    "atto": dict(n_layer=1, d_model=24, n_head=2, n_kv_head=2, seq_len=64),
     "femto": dict(n_layer=1, d_model=32, n_head=2, n_kv_head=2, seq_len=64),
     "pico": dict(n_layer=1, d_model=48, n_head=2, n_kv_head=2, seq_len=64),
     "nano": dict(n_layer=2, d_model=48, n_head=2, n_kv_head=2, seq_len=64),
@@ -83,9 +85,9 @@ PRESETS: dict[str, dict] = {
 
 def model_config(preset: str, **overrides) -> ModelConfig:
     """The ModelConfig of a size preset, with field overrides."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    return ModelConfig(**{**PRESETS[preset], **overrides})
+    if preset not in MODEL_PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(MODEL_PRESETS)}")
+    return ModelConfig(**{**MODEL_PRESETS[preset], **overrides})
 
 
 def rope_cache(seq_len: int, head_dim: int, base: float) -> tuple[Tensor, Tensor]:

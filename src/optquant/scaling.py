@@ -18,9 +18,25 @@ N centred at its geometric mean so log A and α are not collinear; bounds keep �
 ρ ∈ [1e-3, ρ_max]. ρ_4bit is capped at 1 by default (the paper notes' suggested constraint 0 < ρ ≤ 1;
 `FitConfig.rho_max=None` lifts it to 1e3); ρ_fp is never capped, since another optimizer can be more
 efficient than the reference. Fits that end on a bound name the parameter in `at_bound`.
-Intervals: a percentile bootstrap over points, resampled within each (optimizer, precision)
-group, or a leave-one-out jackknife (θ̂ ± z·se). Resamples too small to identify the law are
-redrawn; if too few survive the intervals are NaN.
+Points may repeat a size (one point per seed; each seed is its own point, never pre-averaged).
+Intervals: a percentile bootstrap or a leave-one-out jackknife over points (θ̂ ± z·se). The bootstrap
+is clustered: when every size has at least two seeds it resamples seeds within each size (a seed's
+points at one size, all optimizers and precisions, move together, so the sizes stay fixed and the
+interval measures seed noise; rescaled for the few seeds, see `_bootstrap`); with one seed per size it
+resamples points within each (optimizer, precision) group. Resamples too small to identify the law
+are redrawn; if too few survive the intervals are NaN.
+
+Diagnostics (`FitDiagnostics`, in every fit and in fits.json): per-point log residuals and their RMS;
+the parameter correlation matrix from the Gauss–Newton covariance (JᵀJ)⁻¹ of the log residuals at the
+optimum, in the fit's own coordinates (log A at the geometric-mean N, α, log E, log ρ), with the
+condition number of the column-scaled J; the parameters at a bound; each interval's width; the number
+and span of distinct sizes. A fit is "not identified" (with the reason, per parameter or "fit" for
+the whole fit) when it has fewer than `FitConfig.min_sizes` distinct N or an N span below
+`min_span`× (α and E are then not separable), when a parameter sits at its bound (A, α or E: the whole
+fit), when a ρ has no finite interval (or none were computed), or when a ρ interval is wider than the
+spread of that ρ across optimizers (`judge`: per-optimizer fits against each other, a joint fit within
+itself). The joint fit with shared α and E is the headline ρ, as the authors later recommended:
+per-optimizer fits let each ρ trade off against its own E.
 
 Left out on purpose: the two-variable form B/D^β (D is tied to N here), and fitting bits as a
 continuous variable (Kumar et al. 2024); each bit width gets its own ρ.
@@ -34,7 +50,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, TypeVar
 
 import numpy as np
 from scipy.optimize import minimize
@@ -47,6 +63,8 @@ log = logging.getLogger(__name__)
 _ALPHA_BOUNDS = (1e-3, 3.0)
 _LOG_RHO_MIN, _LOG_RHO_MAX = math.log(1e-3), math.log(1e3)
 _LBFGS = {"maxiter": 3000, "ftol": 1e-15, "gtol": 1e-10}
+_BY_SEED = "seeds within each size"  # the bootstrap's resampling with ≥ 2 seeds at every size
+_SHARED = ("A", "alpha", "E")  # a bound or a failed check on these affects every ρ of the fit
 
 
 @dataclass(frozen=True)
@@ -58,6 +76,7 @@ class ScalingPoint:
     loss: float
     quantized: bool = False  # QAT from scratch at `bits`, else full precision
     bits: int = 4
+    seed: int | None = None  # training seed; points of one seed at one size are resampled together
 
     @property
     def precision(self) -> str:
@@ -73,27 +92,101 @@ class FitConfig:
     level: float = 0.95
     seed: int = 0
     reference: str = "adamw"  # joint fit: optimizer with ρ_fp = 1 (first by name if absent)
+    min_sizes: int = 4  # fewer distinct N: "not identified"
+    min_span: float = 8.0  # max N / min N below this: "not identified"
 
     def __post_init__(self) -> None:
         if not (self.delta > 0 and 0 < self.level < 1 and self.n_boot >= 1):
             raise OptquantError(f"FitConfig needs delta > 0, 0 < level < 1, n_boot >= 1; got {self}")
+        if not (self.min_sizes >= 1 and self.min_span >= 1):
+            raise OptquantError(f"FitConfig needs min_sizes >= 1 and min_span >= 1; got {self}")
         if self.rho_max is not None and not 1e-3 < self.rho_max <= 1e3:
             raise OptquantError(f"FitConfig.rho_max must be in (1e-3, 1e3] or None, got {self.rho_max}")
+
+
+def _jsonable(v: Any) -> Any:
+    """Tuples as lists, non-finite floats as null: what json.dumps(allow_nan=False) accepts."""
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def _float(v: Any) -> float:
+    return math.nan if v is None else float(v)
+
+
+@dataclass(frozen=True)
+class FitDiagnostics:
+    """How far a fit's numbers can be trusted. `reasons` maps a parameter name (or "fit", for the
+    whole fit) to why it is not identified; empty means identified."""
+
+    names: tuple[str, ...]  # parameters, in the order of `correlation`
+    residuals: tuple[dict[str, Any], ...]  # per point: optimizer, precision, n_params, seed, loss, predicted, residual
+    residual_rms: float  # RMS of log L̂ − log L (a relative error)
+    correlation: tuple[tuple[float, ...], ...]  # Gauss–Newton, fit coordinates (log A at N0, α, log E, log ρ)
+    max_abs_correlation: float  # largest off-diagonal |correlation|
+    condition: float  # condition number of the column-scaled Jacobian
+    interval_width: dict[str, float]  # hi − lo per parameter (NaN: no interval)
+    n_sizes: int  # distinct N
+    size_span: float  # max N / min N
+    resampling: str  # what the bootstrap resampled ("" for other interval methods)
+    reasons: dict[str, str]
+
+    @property
+    def identified(self) -> bool:
+        return not self.reasons
+
+    def why_not(self, name: str) -> str:
+        """Why parameter `name` is not identified ("" if it is): its own reasons and the fit's."""
+        return "; ".join(self.reasons[k] for k in ("fit", name) if k in self.reasons)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(dataclasses.asdict(self)) | {"identified": self.identified}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        return cls(
+            names=tuple(d["names"]),
+            residuals=tuple({k: _float(v) if k in ("predicted", "residual") else v for k, v in r.items()}
+                            for r in d["residuals"]),
+            residual_rms=_float(d["residual_rms"]),
+            correlation=tuple(tuple(_float(c) for c in row) for row in d["correlation"]),
+            max_abs_correlation=_float(d["max_abs_correlation"]),
+            condition=_float(d["condition"]),
+            interval_width={k: _float(v) for k, v in d["interval_width"].items()},
+            n_sizes=int(d["n_sizes"]),
+            size_span=_float(d["size_span"]),
+            resampling=d["resampling"],
+            reasons=dict(d["reasons"]),
+        )
 
 
 class _Serializable:
     """JSON round trip for the fit dataclasses (fits.json); NaN bounds are stored as null."""
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)  # type: ignore[call-overload]
-        d["intervals"] = {k: [None if math.isnan(b) else b for b in v] for k, v in d["intervals"].items()}
-        return d | {"at_bound": list(d["at_bound"]), "kind": type(self).__name__}
+        diag = self.diagnostics  # type: ignore[attr-defined]
+        d = _jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore[arg-type]
+                       if f.name != "diagnostics"})
+        return d | {"diagnostics": None if diag is None else diag.to_dict(), "kind": type(self).__name__}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Self:
         iv = {k: tuple(math.nan if b is None else float(b) for b in v) for k, v in d["intervals"].items()}
         fields = {k: v for k, v in d.items() if k != "kind"}
-        return cls(**fields | {"intervals": iv, "at_bound": tuple(d["at_bound"])})
+        diag = d.get("diagnostics")
+        diag = None if diag is None else FitDiagnostics.from_dict(diag)
+        return cls(**fields | {"intervals": iv, "at_bound": tuple(d["at_bound"]), "diagnostics": diag})
+
+    @property
+    def identified(self) -> bool:
+        """True when the diagnostics found no reason to distrust the fit (False without diagnostics)."""
+        diag = self.diagnostics  # type: ignore[attr-defined]
+        return diag is not None and diag.identified
 
 
 @dataclass(frozen=True)
@@ -111,6 +204,7 @@ class LawFit(_Serializable):
     intervals: dict[str, tuple[float, float]]
     at_bound: tuple[str, ...]
     method: str
+    diagnostics: FitDiagnostics | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +223,7 @@ class JointFit(_Serializable):
     intervals: dict[str, tuple[float, float]]
     at_bound: tuple[str, ...]
     method: str
+    diagnostics: FitDiagnostics | None = None
 
 
 def predict(
@@ -161,13 +256,14 @@ def fit_law(points: Sequence[ScalingPoint], cfg: FitConfig = FitConfig()) -> Law
         raise OptquantError(f"fit_law takes one optimizer's points, got {sorted({p.optimizer for p in pts})}")
     params, common = _fit_with_intervals(pts, _law_design, cfg)
     rho = {k[4:]: v for k, v in params.items() if k.startswith("rho_")}
-    return LawFit(pts[0].optimizer, params["A"], params["alpha"], params["E"], rho, **common)
+    fit = LawFit(pts[0].optimizer, params["A"], params["alpha"], params["E"], rho, **common)
+    return _judged(fit, {}, cfg)  # alone: no spread across optimizers to compare with (see `judge`)
 
 
 def fit_laws(points: Sequence[ScalingPoint], cfg: FitConfig = FitConfig()) -> dict[str, LawFit]:
-    """`fit_law` for each optimizer in `points`."""
+    """`fit_law` for each optimizer in `points`, judged against each other (`judge`)."""
     opts = sorted({p.optimizer for p in points})
-    return {o: fit_law([p for p in points if p.optimizer == o], cfg) for o in opts}
+    return judge({o: fit_law([p for p in points if p.optimizer == o], cfg) for o in opts}, cfg)
 
 
 def fit_joint(points: Sequence[ScalingPoint], cfg: FitConfig = FitConfig()) -> JointFit:
@@ -184,7 +280,63 @@ def fit_joint(points: Sequence[ScalingPoint], cfg: FitConfig = FitConfig()) -> J
             key, opt = name[4:].split("/", 1)
             rho[opt][key] = v
     rho_fp = {o: params.get(f"rho_fp/{o}", 1.0) for o in opts}
-    return JointFit(params["A"], params["alpha"], params["E"], ref, rho_fp, rho, **common)
+    fit = JointFit(params["A"], params["alpha"], params["E"], ref, rho_fp, rho, **common)
+    return _judged(fit, _spreads(fit), cfg)
+
+
+# ---------------------------------------------------------------- identification
+_F = TypeVar("_F", LawFit, JointFit)
+
+
+def judge(per_optimizer: dict[str, LawFit], cfg: FitConfig = FitConfig()) -> dict[str, LawFit]:
+    """Set each per-optimizer fit's verdict, comparing its ρ intervals with the spread of the ρ point
+    estimates across all the fits given (a ρ known to ±0.1 cannot rank optimizers 0.05 apart). The
+    size, bound and missing-interval checks are redone too, so judging twice changes nothing. A joint
+    fit is judged within itself by `fit_joint`."""
+    values: dict[str, list[float]] = {}
+    for f in per_optimizer.values():
+        for k, v in f.rho.items():
+            values.setdefault(f"rho_{k}", []).append(v)
+    spreads = {k: max(v) - min(v) for k, v in values.items() if len(v) > 1}
+    return {o: _judged(f, spreads, cfg) for o, f in per_optimizer.items()}
+
+
+def _spreads(fit: JointFit) -> dict[str, float]:
+    """Spread of ρ_fp (the reference's 1 included) and of each ρ_<bits> across the joint fit's optimizers."""
+    values: dict[str, list[float]] = {"rho_fp": list(fit.rho_fp.values())}
+    for r in fit.rho.values():
+        for k, v in r.items():
+            values.setdefault(f"rho_{k}", []).append(v)
+    return {k: max(v) - min(v) for k, v in values.items() if len(v) > 1}
+
+
+def _judged(fit: _F, spreads: dict[str, float], cfg: FitConfig) -> _F:
+    diag = fit.diagnostics
+    if diag is None:
+        return fit
+    params = {"A": fit.A, "alpha": fit.alpha, "E": fit.E}
+    reasons: dict[str, list[str]] = {}
+    if diag.n_sizes < cfg.min_sizes:
+        reasons.setdefault("fit", []).append(f"{diag.n_sizes} distinct sizes (< {cfg.min_sizes})")
+    if diag.size_span < cfg.min_span:
+        reasons.setdefault("fit", []).append(f"sizes span {diag.size_span:.3g}× (< {cfg.min_span:g}×)")
+    for name in fit.at_bound:
+        reasons.setdefault("fit" if name in _SHARED else name, []).append(
+            f"{name} at its bound" + (f" ({params[name]:.3g})" if name in params else ""))
+    if fit.method == "none":
+        reasons.setdefault("fit", []).append("no intervals computed (interval=none)")
+    for name in diag.names:
+        if not name.startswith("rho_") or fit.method == "none":
+            continue
+        width = diag.interval_width.get(name, math.nan)
+        spread = spreads.get(name.split("/")[0])
+        if not math.isfinite(width):
+            reasons.setdefault(name, []).append(f"no {name} interval (too few identifiable refits)")
+        elif spread is not None and width > spread:
+            reasons.setdefault(name, []).append(
+                f"{name} interval width {width:.3g} > spread {spread:.3g} across optimizers")
+    reasons_s = {k: "; ".join(v) for k, v in reasons.items()}
+    return dataclasses.replace(fit, diagnostics=dataclasses.replace(diag, reasons=reasons_s))
 
 
 # ---------------------------------------------------------------- designs
@@ -340,8 +492,54 @@ def _fit_with_intervals(
             intervals = {}
     if fit.at_bound:
         log.warning("scaling fit ended on the bound of %s", ", ".join(fit.at_bound))
+    resampling = _clusters(pts)[0] if cfg.interval == "bootstrap" else ""
     common = dict(n_points=len(pts), objective=fit.objective, intervals=intervals, at_bound=fit.at_bound)
-    return fit.params, common | dict(method=cfg.interval)
+    return fit.params, common | dict(method=cfg.interval, diagnostics=_diagnose(pts, d, fit, intervals, resampling))
+
+
+def _diagnose(
+    pts: list[ScalingPoint], d: _Design, fit: _Fit, intervals: dict[str, tuple], resampling: str
+) -> FitDiagnostics:
+    """Residuals, Gauss–Newton correlations and interval widths at the optimum (no verdict yet)."""
+    x0 = float(d.x.mean())
+    a0, alpha, e, r = fit.theta[0] - fit.theta[1] * x0, fit.theta[1], fit.theta[2], fit.theta[3:]
+    s = d.x - x0 + d.M @ r
+    u = a0 - alpha * s
+    lse = np.logaddexp(u, e)
+    p = np.exp(u - lse)
+    res = lse - d.y
+    # ∂(log L̂)/∂θ in the fit's coordinates, the same derivatives as `_objective`'s gradient
+    J = np.column_stack([p, -p * s, 1 - p, -alpha * p[:, None] * d.M])
+    scale = np.linalg.norm(J, axis=0)
+    Js = J / np.where(scale > 0, scale, 1.0)
+    sv = np.linalg.svd(Js, compute_uv=False)
+    condition = float(sv[0] / sv[-1]) if sv[-1] > 0 else math.inf
+    cov = np.linalg.pinv(Js.T @ Js)
+    sd = np.sqrt(np.clip(np.diag(cov), 0, None))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        corr = np.clip(cov / np.outer(sd, sd), -1, 1)
+    off = np.abs(corr[~np.eye(len(corr), dtype=bool)])
+    names = ("A", "alpha", "E") + d.names
+    residuals = tuple(
+        {"optimizer": q.optimizer, "precision": q.precision, "n_params": q.n_params, "seed": q.seed,
+         "loss": q.loss, "predicted": float(math.exp(lse[i])), "residual": float(res[i])}
+        for i, q in enumerate(pts)
+    )
+    sizes = np.exp(np.unique(d.x))
+    return FitDiagnostics(
+        names=names,
+        residuals=residuals,
+        residual_rms=float(np.sqrt(np.mean(res**2))),
+        correlation=tuple(tuple(float(c) for c in row) for row in corr),
+        max_abs_correlation=float(np.nanmax(off)) if off.size and np.isfinite(off).any() else math.nan,
+        condition=condition,
+        interval_width={n: float(intervals[n][1] - intervals[n][0]) if n in intervals else math.nan
+                        for n in names},
+        n_sizes=len({q.n_params for q in pts}),
+        size_span=float(sizes.max() / sizes.min()),
+        resampling=resampling,
+        reasons={},
+    )
 
 
 def _refit(pts: list[ScalingPoint], design: Design, cfg: FitConfig, full: _Fit) -> dict[str, float] | None:
@@ -357,20 +555,54 @@ def _refit(pts: list[ScalingPoint], design: Design, cfg: FitConfig, full: _Fit) 
 
 
 def _bootstrap(pts: list[ScalingPoint], design: Design, cfg: FitConfig, full: _Fit) -> dict[str, tuple]:
-    """Percentile intervals over resamples drawn within each (optimizer, precision) group."""
+    """Percentile intervals over clustered resamples (`_clusters`). Resampling k seeds within a size
+    shrinks the variance by (k − 1)/k (k = 3: the interval would be 18 % too narrow), so with seed
+    clusters the endpoints' distances from the estimate are scaled by √(k/(k − 1)), k the fewest
+    seeds of any size (the rescaled bootstrap of Rao & Wu 1988, applied to the percentiles)."""
     rng = np.random.default_rng(cfg.seed)
-    strata: dict[tuple[str, str], list[int]] = {}
-    for i, p in enumerate(pts):
-        strata.setdefault((p.optimizer, p.precision), []).append(i)
+    how, strata = _clusters(pts)
+    k = min(len(c) for c in strata)
+    scale = math.sqrt(k / (k - 1)) if how == _BY_SEED else 1.0
     draws: list[dict[str, float]] = []
     for _ in range(5 * cfg.n_boot):  # unidentifiable resamples are redrawn, up to a limit
         if len(draws) == cfg.n_boot:
             break
-        idx = np.concatenate([rng.choice(ix, size=len(ix)) for ix in strata.values()])
+        idx = np.concatenate(
+            [np.concatenate([clusters[k] for k in rng.integers(len(clusters), size=len(clusters))])
+             for clusters in strata]
+        )
         if (fit := _refit([pts[i] for i in idx], design, cfg, full)) is not None:
             draws.append(fit)
     q = ((1 - cfg.level) / 2, (1 + cfg.level) / 2)
-    return _summarize(draws, full, max(3, cfg.n_boot // 2), lambda v, _: tuple(np.quantile(v, q)))
+
+    def interval(v: np.ndarray, name: str) -> tuple[float, float]:
+        est = full.params[name]
+        return tuple(est + scale * (b - est) for b in np.quantile(v, q))  # type: ignore[return-value]
+
+    return _summarize(draws, full, max(3, cfg.n_boot // 2), interval)
+
+
+def _clusters(pts: list[ScalingPoint]) -> tuple[str, list[list[np.ndarray]]]:
+    """Strata of clusters of point indices for the bootstrap, and what they are.
+
+    Every size has ≥ 2 seeds: one stratum per size, one cluster per seed (all optimizers and precisions
+    of that seed at that size), so seed-to-seed noise is resampled and each size keeps its points.
+    Otherwise: one stratum per (optimizer, precision), one cluster per point (sizes are resampled).
+    A point without a seed counts as seed k when it is the k-th point of its (optimizer, precision, N)."""
+    seen: dict[tuple[str, str, float], int] = {}
+    by_size: dict[float, dict[Any, list[int]]] = {}
+    for i, p in enumerate(pts):
+        cell = (p.optimizer, p.precision, p.n_params)
+        seed = p.seed if p.seed is not None else ("ordinal", seen.get(cell, 0))
+        seen[cell] = seen.get(cell, 0) + 1
+        by_size.setdefault(p.n_params, {}).setdefault(seed, []).append(i)
+    if all(len(seeds) >= 2 for seeds in by_size.values()):
+        strata = [[np.array(ix) for ix in seeds.values()] for _, seeds in sorted(by_size.items())]
+        return _BY_SEED, strata
+    groups: dict[tuple[str, str], list[np.ndarray]] = {}
+    for i, p in enumerate(pts):
+        groups.setdefault((p.optimizer, p.precision), []).append(np.array([i]))
+    return "points within each (optimizer, precision) group", list(groups.values())
 
 
 def _jackknife(pts: list[ScalingPoint], design: Design, cfg: FitConfig, full: _Fit) -> dict[str, tuple]:

@@ -2,10 +2,12 @@
 
 Follows the authors' code (paper.md §2.3): fp32 master weights, bf16 autocast, random-window batches,
 WSD schedule (5 % linear warm-up from 0.001·lr, constant, last 20 % linear decay to 0) or cosine, no
-gradient clipping, evaluation on a fixed validation set. Beyond it: a checkpoint at every evaluation
-with everything needed to resume *exactly* (on CPU a killed-and-resumed run ends bitwise where an
-uninterrupted one does), a Common Loss checkpoint (the first evaluation at or below
-`train.cl_threshold`), and a NaN/inf loss recorded as a diverged run rather than a crash.
+gradient clipping, evaluation on a fixed validation set (in fp32: the evaluator that measures PTQ
+damage). Beyond it: a checkpoint at every evaluation with everything needed to resume *exactly* (on CPU
+a killed-and-resumed run ends bitwise where an uninterrupted one does), optionally kept for every
+evaluation (`keep_history`); a Common Loss checkpoint (the first evaluation at or below
+`train.cl_threshold`, with fine evaluations every `cl_eval_every` steps from `cl_eval_from` on, so the
+crossing is found to a few steps); and a NaN/inf loss recorded as a diverged run rather than a crash.
 Distributed data parallel is used when launched under torchrun (WORLD_SIZE > 1).
 """
 
@@ -14,7 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -30,6 +34,7 @@ from optquant.checkpoint import atomic_write_json, load_checkpoint, save_checkpo
 from optquant.config import RunConfig, TrainConfig
 from optquant.data import check_enough, fixed_batches, get_batch, load_tokens
 from optquant.errors import OptquantError
+from optquant.evaluate import val_loss
 from optquant.model import LM, count_params, lm_loss
 from optquant.optim import build_optimizers, state_bytes
 from optquant.runs import read_summary, write_config
@@ -74,16 +79,10 @@ def autocast(device: torch.device, bf16: bool):
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, batches: list, device: torch.device, bf16: bool) -> float:
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    for x, y in batches:
-        with autocast(device, bf16):
-            total += lm_loss(model, x.to(device), y.to(device)).item()
-    model.train(was_training)
-    return total / len(batches)
+def validation_loss(model: nn.Module, batches: list) -> float:
+    """The run's validation loss, always in fp32: the evaluator that PTQ damage and Common-Loss crossings
+    are measured with (evaluate.val_loss), whatever precision the training steps use."""
+    return val_loss(model, batches).loss
 
 
 def rng_state(generator: torch.Generator) -> dict[str, Any]:
@@ -164,6 +163,10 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     info = {"n_params": count_params(model), "n_params_non_embedding": count_params(model, False),
             "total_steps": steps, "bf16": bf16, "tokens_per_step": tc.batch_size * cfg.model.seq_len}
     status, diverged_step, last_val = "done", None, state.get("last_val")
+    if tc.keep_history and state["step"] == 0 and ctx.rank == 0:  # the start, for a crossing at the first eval
+        save_checkpoint(ckpt, model, {"optimizers": [o.state_dict() for o in optimizers],
+                                      "rng": ctx.gather(rng_state(gen)), "loop": state})
+        _keep(ckpt, run_dir, 0)
     model.train()
     while state["step"] < steps:
         step, t0 = state["step"], time.perf_counter()
@@ -192,8 +195,9 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         if on_step is not None and ctx.rank == 0:
             on_step({"step": step + 1, "total": steps, "loss": loss_sum, "lr_mult": mult,
                      "tokens_per_s": info["tokens_per_step"] * state["timed_steps"] / state["train_time"]})
-        if state["step"] % tc.eval_every == 0 or state["step"] == steps:
-            last_val = ctx.mean(evaluate(eval_model, val, device, bf16))  # the same on every rank: same breaks
+        regular = state["step"] % tc.eval_every == 0 or state["step"] == steps
+        if regular or _near_cl(tc, state):
+            last_val = ctx.mean(validation_loss(eval_model, val))  # the same on every rank: same breaks
             if not math.isfinite(last_val):
                 status, diverged_step = "diverged", state["step"]
                 break
@@ -209,8 +213,11 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
                 if crossed:
                     save_weights(run_dir / "cl_model.safetensors", model, {
                         "step": str(state["step"]), "val_loss": repr(last_val), "threshold": repr(threshold)})
-                save_checkpoint(ckpt, model, {"optimizers": [o.state_dict() for o in optimizers],
-                                              "rng": rngs, "loop": state})
+                if regular:
+                    save_checkpoint(ckpt, model, {"optimizers": [o.state_dict() for o in optimizers],
+                                                  "rng": rngs, "loop": state})
+                    if tc.keep_history:
+                        _keep(ckpt, run_dir, state["step"])
             if tc.stop_at_cl and state["cl_step"] is not None:
                 break
     summary = {
@@ -233,6 +240,34 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         ckpt.unlink(missing_ok=True)  # the final weights and summary supersede it
     dist.teardown(ctx)
     return summary
+
+
+def _near_cl(tc: TrainConfig, state: dict) -> bool:
+    """A fine evaluation while locating the Common-Loss crossing (every cl_eval_every steps from
+    cl_eval_from on, until the crossing), so that every CL model sits just below the threshold."""
+    return (tc.cl_threshold is not None and state["cl_step"] is None and tc.cl_eval_every > 0
+            and state["step"] >= tc.cl_eval_from and state["step"] % tc.cl_eval_every == 0)
+
+
+HISTORY = "history"
+
+
+def history_checkpoint(run_dir: Path, step: int) -> Path:
+    """The checkpoint a run with train.keep_history wrote at evaluation `step` (see _keep)."""
+    return Path(run_dir) / HISTORY / f"step{step:08d}.safetensors"
+
+
+def _keep(ckpt: Path, run_dir: Path, step: int) -> None:
+    """Keep this evaluation's checkpoint (a hard link: free; the next save replaces `ckpt`'s inode), so a
+    later Common-Loss run can start from the last evaluation before its crossing instead of replaying
+    the whole run: the run is deterministic, so resuming from it is the same as replaying it."""
+    path = history_checkpoint(run_dir, step)
+    path.parent.mkdir(exist_ok=True)
+    path.unlink(missing_ok=True)
+    try:
+        os.link(ckpt, path)
+    except OSError:  # a file system without hard links
+        shutil.copyfile(ckpt, path)
 
 
 def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: float,

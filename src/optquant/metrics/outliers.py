@@ -1,8 +1,13 @@
 """Outlier metrics of activations: MMR, excess kurtosis and kurtRMS (paper.md §6).
 
 For an activation matrix X ∈ ℝ^{T×d} (tokens × channels):
-- MMR(X) = (1/T) Σ_t max_j |X_tj| / median_j |X_tj|, the max-to-median ratio of the authors' code
-  (`write_heat`); `center="mean"` gives the abstract's max-to-mean variant.
+- MMR(X) = (1/T) Σ_t max_j |X_tj| / median_j |X_tj| over every token of every sequence: the per-token
+  definition of paper.md §6.1 (`mmr`); `center="mean"` gives the abstract's max-to-mean variant
+  (`mmr_mean`).
+- MMR batch-averaged (`mmr_batchavg`): the authors' code (`write_heat`) first averages the activations
+  over the sequences of the batch, position by position, then takes the same per-position ratio of the
+  averaged (T×d) features and its mean over positions. Averaging over sequences cancels token-specific
+  spikes and keeps only outlier channels that are systematic, so it is lower than `mmr` in general.
 - kurtosis(X) = Fisher (excess) kurtosis of all entries, m4/m2² − 3 with biased moments
   (`scipy.stats.kurtosis` defaults).
 - kurtRMS(X) = excess kurtosis of the d per-channel RMS values sqrt(mean_t X_tj²) (He et al. 2024,
@@ -36,10 +41,10 @@ import torch
 from torch import Tensor, nn
 
 from optquant.metrics.capture import capture
-from optquant.quant.ptq import linear_layers
+from optquant.quant.layers import linear_layers
 
 Center = Literal["median", "mean"]
-METRICS = ("mmr", "mmr_mean", "kurtosis", "kurt_rms")
+OUTLIER_METRICS = ("mmr", "mmr_batchavg", "mmr_mean", "kurtosis", "kurt_rms")
 
 
 def _tokens(x: Tensor) -> Tensor:
@@ -137,8 +142,9 @@ class OutlierRow:
     name: str
     kind: Literal["linear", "residual"]  # input of a quantized linear layer | residual-stream state
     index: int  # forward order within its kind
-    mmr: float  # max-to-median
-    mmr_mean: float  # max-to-mean
+    mmr: float  # max-to-median per token, mean over tokens (paper.md §6.1)
+    mmr_batchavg: float  # max-to-median of the features averaged over sequences (the authors' write_heat)
+    mmr_mean: float  # max-to-mean per token
     mmr_skipped: float  # fraction of tokens with median |x| = 0, left out of `mmr`
     kurtosis: float
     kurt_rms: float
@@ -155,8 +161,14 @@ class _Stream:
         self.tokens = 0
         self.moments = Moments()
         self.sq_sum: Tensor | None = None  # per channel, fp64
+        self.seq_sum: Tensor | None = None  # (T, d) sum over sequences, for the batch-averaged MMR
+        self.sequences = 0
 
     def add(self, x: Tensor) -> None:
+        if x.dim() == 3:  # (B, T, d); calibration batches share T
+            s = x.detach().double().sum(dim=0)
+            self.seq_sum = s if self.seq_sum is None else self.seq_sum + s
+            self.sequences += x.shape[0]
         t = _tokens(x.detach())
         for center in ("median", "mean"):
             r = mmr_per_token(t, center).double()
@@ -176,8 +188,9 @@ class _Stream:
         channels = 0 if self.sq_sum is None else self.sq_sum.numel()
         krms = math.nan if self.sq_sum is None else kurtosis((self.sq_sum / self.tokens).sqrt())
         skipped = 1.0 - self.ratio_n["median"] / self.tokens if self.tokens else math.nan
+        batchavg = math.nan if self.seq_sum is None else mmr(self.seq_sum / self.sequences)
         return OutlierRow(
-            name, kind, index, mean_ratio("median"), mean_ratio("mean"), skipped,
+            name, kind, index, mean_ratio("median"), batchavg, mean_ratio("mean"), skipped,
             self.moments.excess_kurtosis, krms, self.tokens, channels,
         )  # fmt: skip
 
@@ -237,11 +250,11 @@ def aggregate(rows: Iterable[OutlierRow]) -> dict[str, float]:
     rows = list(rows)
     out: dict[str, float] = {}
     for kind in ("linear", "residual"):
-        for metric in METRICS:
+        for metric in OUTLIER_METRICS:
             vals = np.array([getattr(r, metric) for r in rows if r.kind == kind], dtype=np.float64)
             finite = vals[np.isfinite(vals)]
             out[f"{kind}.{metric}.mean"] = float(finite.mean()) if finite.size else math.nan
             out[f"{kind}.{metric}.max"] = float(finite.max()) if finite.size else math.nan
-    for metric in METRICS:
+    for metric in OUTLIER_METRICS:
         out[metric] = out[f"residual.{metric}.mean"]
     return out

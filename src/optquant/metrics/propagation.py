@@ -46,7 +46,8 @@ from torch import Tensor, nn
 
 from optquant.errors import OptquantError
 from optquant.metrics.capture import capture
-from optquant.quant.ptq import PTQConfig, linear_layers, quantize_
+from optquant.quant.layers import linear_layers
+from optquant.quant.ptq import PTQConfig, quantize_
 from optquant.quant.rotate import rotate_model_
 
 Norm = Literal["token", "tensor"]

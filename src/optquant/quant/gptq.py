@@ -12,7 +12,9 @@ H⁻¹ of the layer-wise problem, H = 2/N · XᵀX. Pieces, as in the paper and 
   after it are applied once per block (Algorithm 1, lines 13/15);
 - act_order: columns in order of decreasing diag H;
 - scales: per row (channel) / per tensor from the whole W; per group, computed when the group's first
-  column is reached from the current, already error-updated columns (reference behaviour). With
+  column is reached, as the reference's `find_params(W[:, j:j + groupsize])`: from the full W, which
+  holds the lazy updates of all earlier blocks but none from inside the current block (those live in
+  the block copy W1), so a group's columns within the current block are taken as of the block's start. With
   act_order, group scales are "static" (the reference's `static_groups`): computed from W before any
   update for contiguous groups of the original column order, so the result stays a plain grouped layout.
 Any QuantSpec works (all integer grids, MXFP4, NVFP4; the NVFP4 per-tensor scale comes from the
@@ -76,14 +78,6 @@ def _static_params(W: Tensor, spec: QuantSpec, amax: Tensor | None) -> tuple[Ten
     return scale.reshape(rows, n_groups), zero.reshape(rows, n_groups), col_group
 
 
-def _group_window(W: Tensor, W1: Tensor, i: int, i2: int, g: int) -> Tensor:
-    """Current values of the g columns starting at block-local column i (block ends at global i2)."""
-    cols = W1[:, i : i + g]
-    if cols.shape[1] < g:
-        cols = torch.cat((cols, W[:, i2 : i2 + g - cols.shape[1]]), 1)
-    return cols
-
-
 def gptq_quantize(
     W: Tensor,
     H: Tensor,
@@ -118,7 +112,7 @@ def gptq_quantize(
         for i in range(i2 - i1):
             j = i1 + i
             if dynamic and j % spec.block == 0:  # Algorithm 1 with groups: fresh scales per group
-                s, z = quant_params(_group_window(W, W1, i, i2, spec.block), spec, amax)
+                s, z = quant_params(W[:, j : j + spec.block], spec, amax)  # W, not W1: as of the block's start
             elif not dynamic:
                 g = col_group[j]
                 s, z = scale[:, g : g + 1], zero[:, g : g + 1]

@@ -48,6 +48,7 @@ Granularity = Literal["tensor", "channel", "token", "group"]
 GRIDS: tuple[str, ...] = ("sym", "sym8", "odd", "asym")
 FORMATS: tuple[str, ...] = ("int", "mxfp4", "nvfp4")
 GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "token", "group")
+OFF = 16  # a PTQ / QAT w_bits or a_bits of 16 means "not quantized"
 
 
 @dataclass(frozen=True)

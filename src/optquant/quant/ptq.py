@@ -30,18 +30,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from optquant.errors import OptquantError
 from optquant.quant.gptq import accumulate_hessian, gptq_quantize
-from optquant.quant.primitives import FORMATS, GRIDS, Format, Grid, QuantSpec, fake_quant
+from optquant.quant.layers import QuantLinear, linear_layers, replace_module
+from optquant.quant.primitives import FORMATS, GRIDS, OFF, Format, Grid, QuantSpec, fake_quant
 
 log = logging.getLogger(__name__)
 
 GPTQ_BLOCK_SIZE = 128  # lazy-batch width: a speed knob only (exact arithmetic gives the same result)
 _CALIB_BATCH = 8  # calibration sequences per forward when calib is one (N, T) tensor
-OFF = 16  # w_bits / a_bits value meaning "not quantized"
 
 
 @dataclass(frozen=True)
@@ -135,48 +134,6 @@ SCHEMES: dict[str, PTQConfig] = {
 }
 
 
-class QuantLinear(nn.Module):
-    """A linear layer with a fake-quantized weight and dynamically fake-quantized inputs.
-
-    `weight` is the dequantized Ŵ (a frozen Parameter, so state_dict keys match nn.Linear);
-    forward(x) = F.linear(fake_quant(x, act), Ŵ, bias), with act = None meaning inputs stay as they are.
-    """
-
-    def __init__(
-        self, weight: Tensor, bias: Tensor | None = None, act: QuantSpec | None = None, scheme: str = ""
-    ):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.act = act
-        self.scheme = scheme
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.act is not None:
-            x = fake_quant(x, self.act)
-        return F.linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, scheme={self.scheme or 'fp'}"
-        )
-
-
-def linear_layers(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[str, nn.Module]]:
-    """(name, layer) of every nn.Linear or QuantLinear, in registration order, except those whose
-    name is, or ends with "." + , an entry of `skip`. For optquant models registration order is forward
-    order (llama's up_proj is listed before gate_proj; both read the same input)."""
-
-    def skipped(name: str) -> bool:
-        return any(name == s or name.endswith("." + s) for s in skip)
-
-    return [
-        (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | QuantLinear) and not skipped(n)
-    ]
-
-
 def fake_quant_activation(x: Tensor, cfg: PTQConfig) -> Tensor:
     """The activation quantization `cfg` applies to a layer input (identity when a_bits = 16)."""
     spec = cfg.act_spec
@@ -215,24 +172,9 @@ def quantized_copy(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | 
 
 
 def _rotate_(model: nn.Module) -> None:
-    try:  # lazy: rotate.py is optional for every other scheme
-        from optquant.quant.rotate import rotate_model_
-    except ModuleNotFoundError as e:
-        if e.name != "optquant.quant.rotate":
-            raise
-        raise OptquantError("ptq.rotation='hadamard' needs optquant.quant.rotate, which is missing") from e
+    from optquant.quant.rotate import rotate_model_  # only the rotated schemes need it
+
     rotate_model_(model)
-
-
-def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
-    """Put `new` at dotted path `name` inside `model` (PTQ and QAT swap layers with this); returns it."""
-    if not name:
-        raise OptquantError("quantize_ needs a model that contains linear layers, not a bare nn.Linear")
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
-    return new
-
-
 
 
 def _calib_batches(calib: Tensor | Iterable, n: int, device: torch.device) -> list[Tensor]:

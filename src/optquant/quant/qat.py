@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -36,40 +35,11 @@ from torch import Tensor, nn
 
 from optquant.errors import OptquantError
 from optquant.quant.hadamard import hadamard, largest_pow2_divisor
-from optquant.quant.primitives import QuantSpec, int_params, round_to_grid
-from optquant.quant.ptq import linear_layers, replace_module  # one layer-swapping helper for PTQ and QAT
+from optquant.quant.layers import linear_layers, replace_module  # one layer-swapping helper for PTQ and QAT
+from optquant.quant.primitives import OFF, QuantSpec, int_params, round_to_grid
+from optquant.quant.qat_config import QAT_METHODS, QATConfig
 
 log = logging.getLogger(__name__)
-
-OFF = 16  # w_bits / a_bits value meaning "not quantized"
-METHODS: tuple[str, ...] = ("quest", "ste", "lsq")
-
-
-@dataclass(frozen=True)
-class QATConfig:
-    """Defaults = the paper: QuEST W4A4 on every linear layer including the LM head."""
-
-    method: Literal["quest", "ste", "lsq"] = "quest"
-    w_bits: int = 4  # 16 = weights not quantized
-    a_bits: int = 4  # 16 = activations not quantized
-    quantize_head: bool = True  # the authors' code quantizes the (tied) LM head; the embedding stays FP
-    hadamard_block: int = 128  # QuEST only: largest Hadamard block; 0 = no rotation
-    trust: float | None = None  # QuEST only: None = c_b/(2^b − 1), i.e. zero gradient beyond s + Δ/2
-    lsq_step: Literal["row", "tensor"] = "row"  # LSQ weight step per output row or per tensor
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS or self.lsq_step not in ("row", "tensor"):
-            raise OptquantError(f"qat.method must be in {METHODS}, qat.lsq_step 'row' or 'tensor': {self}")
-        low = 1 if self.method == "quest" else 2
-        for field in ("w_bits", "a_bits"):
-            bits = getattr(self, field)
-            if not (low <= bits <= 8 or bits == OFF):
-                raise OptquantError(f"qat.{field}={bits}: {self.method} takes {low}..8 bits, or 16 = off")
-        if self.hadamard_block < 0 or self.hadamard_block & (self.hadamard_block - 1):
-            raise OptquantError(f"qat.hadamard_block must be 0 or a power of two, got {self.hadamard_block}")
-        if self.trust is not None and not self.trust > 0:
-            raise OptquantError(f"qat.trust must be > 0 (or None for the QuEST default), got {self.trust}")
-
 
 def _half_cells(c: float, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Positive levels q_k = (2k−1)·c/(2^b−1) and their Voronoi cells [a_k, b_k) (the last one open)."""
@@ -323,7 +293,7 @@ class IntLinear(nn.Module):
         for key, value in tensors.items():
             self.register_buffer(key, value.detach().clone())
         method, self.w_bits, self.a_bits, self.block = (int(v) for v in self.meta)
-        self.method = METHODS[method]
+        self.method = QAT_METHODS[method]
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = self.scale.dtype if self.w_bits < OFF else self.weight.dtype
@@ -346,7 +316,7 @@ def _export_layer(lin: QATLinear) -> dict[str, Tensor]:
     w = lin.weight.detach()
     w = w.float() if w.dtype in (torch.bfloat16, torch.float16) else w
     w = rotate(w, lin.block) if lin.block else w
-    meta = [METHODS.index(lin.method), lin.w_bits, lin.a_bits, lin.block]
+    meta = [QAT_METHODS.index(lin.method), lin.w_bits, lin.a_bits, lin.block]
     out = {"meta": torch.tensor(meta, dtype=torch.int64)}
     if lin.w_bits < OFF:
         codes, scale = int_codes(w, lin.method, lin.w_bits, lin.w_step.step if lin.method == "lsq" else None)

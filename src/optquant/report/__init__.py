@@ -24,6 +24,7 @@ from optquant.report.load import StudyData, fmt_count, load_study
 from optquant.report.tables import (
     correlation_table,
     cost_table,
+    fit_diagnostics_table,
     paper_table,
     paper_values_table,
     table2,
@@ -94,6 +95,7 @@ def _qat_sections(d: StudyData, fig_dir: Path) -> list[Section]:
     scaling = (
         (table10(d), paper_table(paper.TABLE10_FITS, "paper-t10")),
         table10_joint(d),
+        fit_diagnostics_table(d),
         curves.fig_scaling(d, fig_dir),
     )
     return [
@@ -147,6 +149,6 @@ def report_markdown(study_dir: str | Path) -> str:
     d = load_study(study_dir)
     scheme = d.paper_scheme()
     tables = [table2(d), table3(d, scheme or "w4a4-rtn"), table3_schemes(d), table4(d), table10(d)]
-    tables += [table10_joint(d), claims_table(d)]
+    tables += [table10_joint(d), fit_diagnostics_table(d), claims_table(d)]
     head = f"## optquant study {d.spec.get('name') or d.root.name}\n\n_{CAVEAT}_\n"
     return "\n".join([head, *(to_markdown(t) for t in tables)])

@@ -1,12 +1,12 @@
 """`optquant study --dry-run`: a study's jobs per stage and its cost, computed from the StudySpec alone.
 
-The job counts are an estimate with an upper bound where the study decides at run time: every
-(optimizer, size) may extend its LR grid up to `MAX_EXTENSIONS` times and refine it once; extra seeds
-train the best LR, the Common-Loss re-run and the QAT runs; PTQ covers every CL model and every FP run
-of the LR sweep, each with every scheme. Training cost counts a CL re-run at its full budget (it stops
-at its first crossing, so it usually costs less). PTQ and analysis jobs are a few forward passes over
-evaluation batches and are left out of the GPU-hours (well under 1 % of them at the paper's budget).
-A QAT run is costed as its FP twin: QuEST's quantizers are elementwise work outside the 6·N·D count.
+The stages are study/plan.py's; the job counts are an estimate, with upper bounds where the study decides
+at run time (`stages`). A Common-Loss run starts from its source run's kept checkpoint of the last
+evaluation before the crossing, so it is costed as `train.eval_every` steps plus an fp32 evaluation
+every `cl_eval_every` steps (an upper bound: it stops at the crossing). PTQ and analysis jobs are a few
+forward passes over evaluation batches and are left out of the GPU-hours (well under 1 % of them at the
+paper's budget). A QAT run is costed as its FP twin: QuEST's quantizers are elementwise work outside
+the 6·N·D count.
 """
 
 from __future__ import annotations
@@ -24,40 +24,50 @@ def run_config(spec: StudySpec, size: str, opt: str, extra: tuple[str, ...] = ()
                                               *extra])
 
 
-MAX_EXTENSIONS = 3  # LR-grid extensions per (optimizer, size), upper bound
-REFINEMENTS = 1  # one refinement point per (optimizer, size) after bracketing
-
-
 @dataclass(frozen=True)
 class Stage:
     name: str
     jobs: int
-    train_runs: dict[tuple[str, str], int]  # (optimizer, size) → full-budget training runs in the stage
+    train_runs: dict[tuple[str, str], float]  # (optimizer, size) → full-budget training runs in the stage
 
 
 def stages(spec: StudySpec) -> list[Stage]:
-    """The study's stages with their job counts (upper bounds where the study decides at run time)."""
-    opts, sizes, seeds = spec.optimizers, spec.sizes, len(spec.seeds)
+    """The study's stages (study/plan.py) with their job counts; upper bounds where it decides at run
+    time: `lr_extensions` rounds of one new LR each (two in the first round of a one-point grid), one
+    refinement, and every FP run finishing (each then gets the sweep PTQ schemes)."""
+    opts, sizes, n_seeds = spec.optimizers, spec.sizes, len(spec.seeds)
     pairs = [(o, s) for o in opts for s in sizes]
     sweep = {(o, sizes[0]): sum(len(v) for v in spec.sweeps.get(o, {}).values()) for o in opts}
     grid = {(o, s): len(lr_grid(spec, o)) for o, s in pairs}
-    ext = {k: MAX_EXTENSIONS + REFINEMENTS for k in pairs}
-    best_seeds = {k: seeds - 1 for k in pairs}
-    cl = {k: seeds for k in pairs}
-    qat = {k: seeds * len(spec.qat_bits) for k in pairs}
-    fp_runs = sum(grid.values()) + sum(ext.values()) + sum(best_seeds.values())
-    ptq = (sum(cl.values()) + fp_runs) * len(spec.ptq_schemes)
+    ext = {k: spec.lr_extensions + (grid[k] == 1 and spec.lr_extensions > 0) for k in pairs}
+    refine = {k: int(spec.lr_refine) for k in pairs}
+    seeds = {k: n_seeds - 1 for k in pairs}
+    cl = {k: n_seeds for k in pairs}
+    qat = {k: n_seeds * len(spec.qat_bits) for k in pairs}
+    fp_runs = sum(grid.values()) + sum(ext.values()) + sum(refine.values()) + sum(seeds.values())
+    ptq = sum(cl.values()) * len(spec.ptq_schemes) + fp_runs * len(spec.sweep_ptq_schemes)
     out = [
         Stage("sweeps (smallest size)", sum(sweep.values()), sweep),
-        Stage("fp LR grid", sum(grid.values()), grid),
-        Stage(f"fp extensions (≤ {MAX_EXTENSIONS}) + refinement", sum(ext.values()), ext),
-        Stage("fp best LR, other seeds", sum(best_seeds.values()), best_seeds),
-        Stage("common loss re-runs (≤ full budget)", sum(cl.values()), cl),
-        Stage("ptq + analysis (CL models and FP runs × schemes)", ptq, {}),
-        Stage("outliers of every FP run", fp_runs, {}),
+        Stage("fp sweep (first seed)", sum(grid.values()), grid),
+        Stage(f"fp extensions (≤ {spec.lr_extensions} rounds)", sum(ext.values()), ext),
+        Stage("fp refinement (≤ 1)", sum(refine.values()), refine),
+        Stage("fp seeds (best LR, other seeds)", sum(seeds.values()), seeds),
+        Stage("common loss (from the kept checkpoint)", sum(cl.values()), cl),
+        Stage("ptq + analysis (CL models, FP runs)", ptq, {}),
+        Stage("outliers of every FP run", 0 if spec.sweep_ptq_schemes else fp_runs, {}),
         Stage("qat", sum(qat.values()), qat),
     ]
     return [s for s in out if s.jobs]
+
+
+def cl_fraction(spec: StudySpec, opt: str, size: str, b: RunBudget) -> float:
+    """A Common-Loss run's cost as a fraction of its full run: `eval_every` training steps, and an fp32
+    evaluation (eval_batches micro-batches forward, a third of a step's FLOPs per sequence) every
+    `cl_eval_every` steps."""
+    tc = run_config(spec, size, opt).train
+    steps = min(tc.eval_every, b.steps)
+    evals = steps / max(1, spec.cl_eval_every) * tc.eval_batches * b.micro_batch / (3 * tc.batch_size)
+    return (steps + evals) / b.steps
 
 
 def run_budgets(spec: StudySpec, plan: PlanConfig) -> dict[tuple[str, str], RunBudget]:
@@ -93,6 +103,9 @@ def study_lines(spec: StudySpec, plan: PlanConfig = DEFAULT_PLAN) -> list[str]:
     lines += ["", "jobs per stage (an estimate; bounds where the study decides at run time):"]
     total_jobs, total_hours = 0, 0.0
     for stage in stages(spec):
+        if stage.name.startswith("common loss"):
+            stage = Stage(stage.name, stage.jobs, {k: n * cl_fraction(spec, *k, budgets[k])
+                                                   for k, n in stage.train_runs.items()})
         hours = sum(n * budgets[k].gpu_hours for k, n in stage.train_runs.items())
         total_jobs, total_hours = total_jobs + stage.jobs, total_hours + hours
         lines.append(f"  {stage.name:52} {stage.jobs:>6} jobs" + (f"  {hours:>10,.1f} GPU-h" if hours else ""))

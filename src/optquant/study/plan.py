@@ -13,20 +13,24 @@ in its re-run even if worker thread counts change the last bits of its losses.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from optquant.analysis import scheme_config
-from optquant.checkpoint import atomic_write_json
+from optquant.checkpoint import atomic_write_json, atomic_write_text
 from optquant.config import RunConfig, apply_overrides, run_preset, to_dict
-from optquant.metrics.common_loss import common_loss
-from optquant.runs import run_dir
+from optquant.runs import read_config, read_metrics, run_dir
+from optquant.study.bracket import bracket, extensions, refinement
 from optquant.study.executor import Job, execute
-from optquant.study.spec import StudySpec, extend, lr_grid
+from optquant.study.spec import StudySpec, lr_grid
+from optquant.train import HISTORY, history_checkpoint
 
 log = logging.getLogger(__name__)
 CL_SLACK = 1e-4
@@ -89,50 +93,77 @@ def sweep_stage(study: Study) -> dict[str, tuple[str, ...]]:
 
 
 def fp_stage(study: Study, tuned: dict[str, tuple]) -> dict[tuple, dict[str, Any]]:
-    """LR sweep per (optimizer, size, seed); an optimum at a grid edge extends the grid once.
-    Returns (opt, size) → {"lrs": {lr: [summary per seed]}, "best": lr, "edge": bool}."""
+    """The LR search per (optimizer, size) on the first seed (study/bracket.py: extend until bracketed,
+    at most `lr_extensions` rounds, then refine once), then the best LR's run for every other seed.
+    Returns (opt, size) → {"lrs": {lr: [summary per seed]}, "best": lr, "status", "reason",
+    "best_loss": mean final loss over the best LR's seeds}."""
     spec = study.spec
-    grids = {(o, s): list(lr_grid(spec, o)) for o in spec.optimizers for s in spec.sizes}
-    results: dict[str, dict] = {}
-    for attempt in ("sweep", "extension"):
-        cfgs = [run_config(spec, s, o, lr, seed, tuned[o]) for (o, s), grid in grids.items()
-                for lr in grid for seed in spec.seeds]
-        results.update(study.run(f"fp {attempt}", train_jobs(study, cfgs)))
-        table = _lr_table(study, grids, tuned, results)
-        if attempt == "extension":
+    seed0 = spec.seeds[0]
+    keys = [(o, s) for o in spec.optimizers for s in spec.sizes]
+    found: dict[tuple, dict[float, dict]] = {key: {} for key in keys}
+
+    def run(stage: str, lrs: dict[tuple, list[float]], seeds=(seed0,)) -> None:
+        cfgs = {(key, lr, seed): fp_config(spec, key, lr, seed, tuned) for key, grid in lrs.items()
+                for lr in grid for seed in seeds}
+        if cfgs:
+            results = study.run(stage, train_jobs(study, list(cfgs.values())))
+            for (key, lr, seed), cfg in cfgs.items():
+                found[key].setdefault(lr, {})[seed] = results[run_dir(study.runs, cfg).name]
+
+    def losses(key: tuple) -> dict[float, float]:
+        return {lr: loss_of(per_seed[seed0]) for lr, per_seed in found[key].items()}
+
+    pending = {key: list(lr_grid(spec, key[0])) for key in keys}
+    for rnd in range(spec.lr_extensions + 1):
+        run("fp sweep" if rnd == 0 else f"fp extension {rnd}", pending)
+        pending = {key: new for key in keys if (new := extensions(losses(key), spec.lr_step))}
+        if not pending or rnd == spec.lr_extensions:
             break
-        for key, row in table.items():
-            new = extend(tuple(grids[key]), row["best"], spec.lr_step)
-            if new is not None and math.isfinite(row["best_loss"]):
-                grids[key].append(new)
-    for key, row in table.items():
-        row["edge"] = extend(tuple(grids[key]), row["best"], spec.lr_step) is not None
+    if spec.lr_refine:
+        run("fp refinement", {key: [lr] for key in keys if bracket(losses(key)).status in ("bracketed", "diverged")
+                              and (lr := refinement(losses(key))) is not None})
+    ends = {key: bracket(losses(key)) for key in keys}
+    run("fp seeds", {key: [b.best] for key, b in ends.items() if b.best is not None}, spec.seeds[1:])
+    table = {}
+    for key, b in ends.items():
+        lrs = {lr: [per_seed[seed] for seed in spec.seeds if seed in per_seed] for lr, per_seed in
+               sorted(found[key].items())}
+        best_losses = [loss_of(x) for x in lrs[b.best]] if b.best is not None else [math.inf]
+        table[key] = {"lrs": lrs, "best": b.best, "status": b.status, "reason": b.reason,
+                      "best_loss": sum(best_losses) / len(best_losses)}
+        if b.status != "bracketed":
+            log.warning("%s at %s: best LR %s not bracketed (%s): %s", *key, b.best, b.status, b.reason)
     return table
 
 
-def _lr_table(study: Study, grids: dict, tuned: dict, results: dict) -> dict[tuple, dict[str, Any]]:
-    spec, table = study.spec, {}
-    for (opt, size), grid in grids.items():
-        per_lr = {lr: [results[run_dir(study.runs, run_config(spec, size, opt, lr, seed, tuned[opt])).name]
-                       for seed in spec.seeds] for lr in grid}
-        mean = {lr: sum(loss_of(s) for s in sums) / len(sums) for lr, sums in per_lr.items()}
-        best = min(sorted(mean), key=lambda lr: mean[lr])
-        table[(opt, size)] = {"lrs": per_lr, "best": best, "best_loss": mean[best]}
-    return table
+def fp_config(spec: StudySpec, key: tuple, lr: float, seed: int, tuned: dict, extra: tuple = ()) -> RunConfig:
+    """An FP (or, with `extra`, QAT) run of the study; every evaluation's checkpoint is kept so the
+    Common-Loss stage can start from the last one before the crossing instead of replaying the run."""
+    opt, size = key
+    return run_config(spec, size, opt, lr, seed, (*tuned[opt], "train.keep_history=true", *extra))
 
 
 def cl_stage(study: Study, tuned: dict, table: dict) -> tuple[dict, dict[tuple, Path]]:
-    """Common Loss per (size, seed) from the best-LR runs; re-run each to its first crossing."""
+    """Common Loss per size: the worst of the optimizers' best-LR losses over every seed, so that every
+    best-LR run of every seed crosses it. Each CL model is found at a resolution of `cl_eval_every`
+    steps with the fp32 evaluator, starting from the kept checkpoint of the last evaluation before the
+    crossing (a deterministic run resumes exactly where a replay would be)."""
     spec, thresholds, cfgs = study.spec, {}, {}
-    for i, seed in enumerate(spec.seeds):
-        summaries = [{"size": s, "optimizer": o, "best_val_loss": row["lrs"][row["best"]][i].get("best_val_loss")}
-                     for (o, s), row in table.items() if row["lrs"][row["best"]][i].get("status") == "done"]
-        for size, cl in common_loss([x for x in summaries if x["best_val_loss"] is not None]).items():
-            thresholds[(size, seed)] = cl
-            for (o, s), row in table.items():
-                if s == size and math.isfinite(row["best_loss"]):
-                    extra = (*tuned[o], f"train.cl_threshold={cl * (1 + CL_SLACK)!r}", "train.stop_at_cl=true")
-                    cfgs[(o, s, seed)] = run_config(spec, s, o, row["best"], seed, extra)
+    done = [(key, s) for key, row in table.items() if row["best"] is not None
+            for s in row["lrs"][row["best"]] if s.get("status") == "done" and s.get("best_val_loss") is not None]
+    for size in spec.sizes:
+        losses = [s["best_val_loss"] for (o, sz), s in done if sz == size]
+        if losses:
+            thresholds[size] = max(losses)
+    for (opt, size), summary in done:
+        threshold = thresholds[size] * (1 + CL_SLACK)
+        source = study.runs / summary["run_id"]
+        start = last_eval_before(read_metrics(source), threshold)
+        cfg = run_config(spec, size, opt, table[(opt, size)]["best"], read_config(source).seed,
+                         (*tuned[opt], f"train.cl_threshold={threshold!r}", "train.stop_at_cl=true",
+                          f"train.cl_eval_every={spec.cl_eval_every}", f"train.cl_eval_from={start}"))
+        cfgs[(opt, size, cfg.seed)] = cfg
+        seed_from_history(source, start, run_dir(study.runs, cfg))
     results = study.run("common loss", train_jobs(study, list(cfgs.values())))
     paths = {}
     for key, cfg in cfgs.items():
@@ -144,22 +175,61 @@ def cl_stage(study: Study, tuned: dict, table: dict) -> tuple[dict, dict[tuple, 
     return thresholds, paths
 
 
+def last_eval_before(records: list[dict], threshold: float) -> int:
+    """The step of the last evaluation above `threshold` before the first one at or below it (0 if the
+    first evaluation already crosses): where the fine search for the crossing starts."""
+    start = 0
+    for rec in sorted(records, key=lambda r: r["step"]):
+        if rec.get("val_loss") is not None and rec["val_loss"] <= threshold:
+            break
+        start = rec["step"]
+    return start
+
+
+def seed_from_history(source: Path, step: int, target: Path) -> None:
+    """Start a CL run from `source`'s kept checkpoint at `step` (its metrics up to that step beside it);
+    without one (history pruned, or a run from before keep_history) the CL run replays from scratch."""
+    ckpt = history_checkpoint(source, step)
+    if not ckpt.exists() or (target / "summary.json").exists() or (target / "checkpoint.safetensors").exists():
+        return
+    target.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(r) for r in read_metrics(source) if r["step"] <= step]
+    atomic_write_text(target / "metrics.jsonl", "".join(ln + "\n" for ln in lines))
+    tmp = target / ".checkpoint.safetensors.seed"
+    shutil.copyfile(ckpt, tmp)
+    os.replace(tmp, target / "checkpoint.safetensors")
+
+
+def prune_history(study: Study) -> None:
+    """Drop the kept checkpoints once every CL run has started from them (they are only a shortcut: a
+    later CL run without one replays its source run)."""
+    for path in study.runs.glob(f"*/{HISTORY}"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def ptq_stage(study: Study, cl_paths: dict[tuple, Path], table: dict) -> dict[str, dict]:
-    mc = 200 if study.spec.name != "smoke" else 20
-    jobs = [Job("ptq", f"{path.name}/{scheme}", {"run_dir": str(path), "ptq": asdict(scheme_config(scheme)),
-                                                  "weights": "cl", "mc_items": mc})
-            for path in cl_paths.values() for scheme in study.spec.ptq_schemes]
-    outliers = [Job("outliers", f"{run_id}/outliers", {"run_dir": str(study.runs / run_id)})
-                for row in table.values() for sums in row["lrs"].values() for s in sums
-                if s.get("status") == "done" for run_id in [s["run_id"]]]
-    return study.run("ptq + analysis", jobs + outliers)
+    """Every PTQ scheme on every CL model (with the built-in MC task); the sweep schemes, outliers and ABC
+    on the final model of every finished FP run (val loss only), for correlations within each size."""
+    spec = study.spec
+    mc = 200 if spec.name != "smoke" else 20
+    jobs = [ptq_job(path, scheme, "cl", mc) for path in cl_paths.values() for scheme in spec.ptq_schemes]
+    finished = [study.runs / s["run_id"] for row in table.values() for sums in row["lrs"].values() for s in sums
+                if s.get("status") == "done"]
+    jobs += [ptq_job(path, scheme, "final", 0) for path in finished for scheme in spec.sweep_ptq_schemes]
+    if not spec.sweep_ptq_schemes:
+        jobs += [Job("outliers", f"{path.name}/outliers", {"run_dir": str(path)}) for path in finished]
+    return study.run("ptq + analysis", jobs)
+
+
+def ptq_job(path: Path, scheme: str, weights: str, mc_items: int) -> Job:
+    return Job("ptq", f"{path.name}/{weights}/{scheme}", {"run_dir": str(path), "ptq": asdict(scheme_config(scheme)),
+                                                         "weights": weights, "mc_items": mc_items})
 
 
 def qat_stage(study: Study, tuned: dict, table: dict) -> dict[str, dict]:
     spec = study.spec
-    cfgs = [run_config(spec, s, o, row["best"], seed,
-                       (*tuned[o], "qat.method=quest", f"qat.w_bits={b}", f"qat.a_bits={b}"))
-            for (o, s), row in table.items() if math.isfinite(row["best_loss"])
+    cfgs = [fp_config(spec, key, row["best"], seed, tuned, ("qat.method=quest", f"qat.w_bits={b}", f"qat.a_bits={b}"))
+            for key, row in table.items() if row["best"] is not None and math.isfinite(row["best_loss"])
             for seed in spec.seeds for b in spec.qat_bits]
     return study.run("qat", train_jobs(study, cfgs))
 
@@ -177,6 +247,7 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
     thresholds, cl_paths = cl_stage(study, tuned, table)
     ptq_stage(study, cl_paths, table)
     qat = qat_stage(study, tuned, table) if spec.qat_bits else {}
+    prune_history(study)  # QAT runs keep theirs too: their config must equal their FP twin's but for qat
     write_results(study, table, thresholds, cl_paths, qat)
     study.emit(event="stage", stage="report", jobs=0)
     return render_report(study.root)

@@ -4,6 +4,13 @@ results.parquet is long: one row per run × scheme × metric, with the run's siz
 kind ("fp" LR-sweep run, "cl" Common-Loss model, "qat") and whether it is its (optimizer, size)'s best
 LR. Timing metrics (step time, tokens/s) vary between machines and reruns; everything else is
 deterministic and equal between an interrupted-and-resumed study and an uninterrupted one.
+
+N in the scaling fits is the N the token budget multiplies: each row carries the run's total and
+non-embedding parameter counts and its `train.budget_params`, and `fits` uses the non-embedding count
+when the budget does (the `cpu` preset: Kaplan's N, since a 1024-word embedding would otherwise dominate
+the small models) and the total otherwise. fits.json names it ("n_count") and names the joint fit (shared
+α and E) as the headline ρ ("headline": "joint"); every fit carries its diagnostics and its
+identified / not-identified verdict (optquant.scaling).
 """
 
 from __future__ import annotations
@@ -16,16 +23,16 @@ from typing import Any
 import pandas as pd
 
 from optquant.analysis import AnalysisConfig, read_result, write_parquet
-from optquant.checkpoint import atomic_write_json
+from optquant.checkpoint import atomic_write_json, read_json
 from optquant.errors import OptquantError
 from optquant.metrics.correlate import correlate
+from optquant.metrics.outliers import OUTLIER_METRICS
 from optquant.runs import read_config, read_summary
-from optquant.scaling import FitConfig, ScalingPoint, fit_joint, fit_laws
+from optquant.scaling import FitConfig, ScalingPoint, fit_joint, fit_laws, judge
 
 log = logging.getLogger(__name__)
 TIMING = ("mean_step_seconds", "tokens_per_s")
 FP_METRICS = ("final_val_loss", "best_val_loss", "mean_step_seconds", "optimizer_state_bytes", "tokens_per_s")
-OUTLIER_METRICS = ("mmr", "mmr_mean", "kurtosis", "kurt_rms")
 PTQ_METRICS = ("val_loss", "mc_acc", "mc_acc_norm", "delta_val_loss", "delta_acc_norm", "R_L", "sum_A",
                "sum_B", "sum_C", "mean_gain", "mean_G1", "mean_G2")
 DAMAGE = ("delta_val_loss", "delta_acc_norm")
@@ -44,11 +51,14 @@ def _rows(base: dict[str, Any], scheme: str, values: dict[str, Any], names) -> l
 def _base(run: Path, summary: dict, kind: str, size: str, best: bool) -> dict[str, Any]:
     cfg = read_config(run)
     return {"size": size, "n_params": summary.get("n_params"), "optimizer": cfg.optim.name,
-            "lr": cfg.optim.lr, "seed": cfg.seed, "kind": kind, "best_lr": best, "run_id": run.name}
+            "lr": cfg.optim.lr, "seed": cfg.seed, "kind": kind, "best_lr": best, "run_id": run.name,
+            "n_params_non_embedding": summary.get("n_params_non_embedding"),
+            "budget_params": cfg.train.budget_params}
 
 
 def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> pd.DataFrame:
     rows: list[dict[str, Any]] = []
+    sweep = AnalysisConfig(weights="final")
     for (_, size), row in table.items():
         for lr, summaries in row["lrs"].items():
             for s in summaries:
@@ -56,26 +66,23 @@ def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> p
                 base = _base(run, s, "fp", size, lr == row["best"])
                 rows += _rows(base, "none", {**s, "diverged": float(s["status"] == "diverged")},
                               (*FP_METRICS, "diverged"))
-                rows += [{**base, "scheme": "none", "metric": "best_lr_at_edge", "value": float(row["edge"])}]
-                outliers = run / "ptq" / "final" / "outliers.json"
-                if outliers.exists():
-                    rows += _rows(base, "none", pd.read_json(outliers, typ="series").to_dict(), OUTLIER_METRICS)
+                rows += _rows(base, "none", {"best_lr_at_edge": float(row["status"] == "cap"),
+                                             "lr_bracketed": float(row["status"] == "bracketed")},
+                              ("best_lr_at_edge", "lr_bracketed"))
+                rows += _sweep_rows(study, run, base, sweep)
     acfg = AnalysisConfig(weights="cl")
-    for (_, size, seed), run in cl_paths.items():
+    for (_, size, _), run in cl_paths.items():
         s = read_summary(run)
         base = _base(run, s, "cl", size, True)
-        rows += _rows(base, "none", {"cl_threshold": thresholds[(size, seed)], "cl_step": s["cl_step"]},
+        rows += _rows(base, "none", {"cl_threshold": thresholds[size], "cl_step": s["cl_step"]},
                       ("cl_threshold", "cl_step"))
         for scheme in study.spec.ptq_schemes:
             damage = read_result(run, acfg, scheme, "summary.json") or {}
             metrics = read_result(run, acfg, scheme, "analysis.json") or {}
             if scheme == study.spec.ptq_schemes[0]:  # FP numbers of the CL model, once
-                fp = {"val_loss": damage.get("val_loss_fp"), "mc_acc": damage.get("mc_acc_fp"),
-                      "mc_acc_norm": damage.get("mc_acc_norm_fp"), **metrics}
-                rows += _rows(base, "none", fp, ("val_loss", "mc_acc", "mc_acc_norm", *OUTLIER_METRICS))
-            q = {"val_loss": damage.get("val_loss_q"), "mc_acc": damage.get("mc_acc_q"),
-                 "mc_acc_norm": damage.get("mc_acc_norm_q"), **damage, **metrics}
-            rows += _rows(base, scheme, q, PTQ_METRICS)
+                rows += _rows(base, "none", _fp_side(damage, metrics), ("val_loss", "mc_acc", "mc_acc_norm",
+                                                                        *OUTLIER_METRICS))
+            rows += _rows(base, scheme, _q_side(damage, metrics), PTQ_METRICS)
     for run_id, s in qat.items():
         run = study.runs / run_id
         cfg = read_config(run)
@@ -86,6 +93,31 @@ def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> p
     df = pd.DataFrame(rows)
     return df.sort_values(["kind", "size", "optimizer", "lr", "seed", "scheme", "metric"], kind="stable",
                           ignore_index=True) if len(df) else df
+
+
+def _fp_side(damage: dict, metrics: dict) -> dict:
+    return {"val_loss": damage.get("val_loss_fp"), "mc_acc": damage.get("mc_acc_fp"),
+            "mc_acc_norm": damage.get("mc_acc_norm_fp"), **metrics}
+
+
+def _q_side(damage: dict, metrics: dict) -> dict:
+    return {"val_loss": damage.get("val_loss_q"), "mc_acc": damage.get("mc_acc_q"),
+            "mc_acc_norm": damage.get("mc_acc_norm_q"), **damage, **metrics}
+
+
+def _sweep_rows(study, run: Path, base: dict, acfg: AnalysisConfig) -> list[dict[str, Any]]:
+    """An FP run's final model: its outliers, and each sweep scheme's damage and ABC terms."""
+    rows = []
+    for i, scheme in enumerate(study.spec.sweep_ptq_schemes):
+        damage = read_result(run, acfg, scheme, "summary.json") or {}
+        metrics = read_result(run, acfg, scheme, "analysis.json") or {}
+        if i == 0:
+            rows += _rows(base, "none", metrics, OUTLIER_METRICS)
+        rows += _rows(base, scheme, _q_side(damage, metrics), PTQ_METRICS)
+    outliers = run / "ptq" / "final" / "outliers.json"
+    if not study.spec.sweep_ptq_schemes and outliers.exists():
+        rows += _rows(base, "none", read_json(outliers), OUTLIER_METRICS)
+    return rows
 
 
 def correlations(df: pd.DataFrame) -> pd.DataFrame:
@@ -119,22 +151,34 @@ def _col(value: str, method: str) -> str:
     return {"r": method, "ci_low": f"{method}_lo", "ci_high": f"{method}_hi"}[value]
 
 
+def _fit_n(df: pd.DataFrame) -> tuple[pd.Series, str]:
+    """Per row, the parameter count the run's token budget used (see the module docstring), and its name.
+    A results.parquet written before the budget columns existed falls back to the total count."""
+    if "budget_params" not in df or "n_params_non_embedding" not in df:
+        log.warning("results.parquet has no budget_params column; fitting total parameter counts")
+        return df["n_params"], "total (results.parquet predates budget_params)"
+    non_emb = df["budget_params"] == "non_embedding"
+    n = df["n_params_non_embedding"].where(non_emb, df["n_params"])
+    return n, "/".join(sorted(set(df["budget_params"].dropna()))) or "total"
+
+
 def fits(df: pd.DataFrame, interval: str = "bootstrap") -> dict[str, Any]:
-    fp = df[(df.kind == "fp") & df.best_lr & (df.metric == "final_val_loss")]
-    qat = df[(df.kind == "qat") & (df.metric == "final_val_loss")]
-    points = [ScalingPoint(r.optimizer, int(r.n_params), float(r.value)) for r in fp.itertuples()
-              if math.isfinite(r.value)]
-    points += [ScalingPoint(r.optimizer, int(r.n_params), float(r.value), quantized=True,
-                            bits=int(r.scheme.split("w")[1].split("a")[0])) for r in qat.itertuples()
-               if math.isfinite(r.value)]
-    out: dict[str, Any] = {"per_optimizer": {}, "joint": None, "errors": {}}
+    rows = df[(df.kind.isin(["fp", "qat"])) & (df.metric == "final_val_loss") & ((df.kind == "qat") | df.best_lr)]
+    n, n_count = _fit_n(rows)
+    points = [ScalingPoint(r.optimizer, float(r.n_fit), float(r.value), quantized=r.kind == "qat",
+                           bits=int(r.scheme.split("w")[1].split("a")[0]) if r.kind == "qat" else 4,
+                           seed=None if pd.isna(r.seed) else int(r.seed))
+              for r in rows.assign(n_fit=n).itertuples() if math.isfinite(r.value)]
+    out: dict[str, Any] = {"per_optimizer": {}, "joint": None, "errors": {}, "headline": "joint",
+                           "n_count": n_count}
     cfg = FitConfig(n_boot=100, interval=interval)
+    laws = {}
     for opt in sorted({p.optimizer for p in points}):
         try:
-            out["per_optimizer"].update({k: v.to_dict() for k, v in
-                                         fit_laws([p for p in points if p.optimizer == opt], cfg).items()})
+            laws.update(fit_laws([p for p in points if p.optimizer == opt], cfg))
         except OptquantError as e:
             out["errors"][opt] = str(e)
+    out["per_optimizer"] = {k: v.to_dict() for k, v in judge(laws, cfg).items()}
     try:
         out["joint"] = fit_joint(points, cfg).to_dict() if points else None
     except OptquantError as e:
@@ -148,9 +192,10 @@ def write_results(study, table: dict, thresholds: dict, cl_paths: dict, qat: dic
     corr = correlations(df)
     write_parquet(study.root / "correlations.parquet", corr)
     atomic_write_json(study.root / "fits.json", fits(df, study.spec.fit_interval))
-    atomic_write_json(study.root / "best.json", {f"{o}/{s}": {"best_lr": r["best"], "edge": r["edge"],
-                                                             "loss": r["best_loss"]}
-                                                 for (o, s), r in table.items()})
+    atomic_write_json(study.root / "best.json", {
+        f"{o}/{s}": {"best_lr": r["best"], "status": r["status"], "reason": r["reason"],
+                     "loss": r["best_loss"] if math.isfinite(r["best_loss"]) else None,
+                     "seeds": len(r["lrs"].get(r["best"], []))} for (o, s), r in table.items()})
     log.info("results: %d rows, %d correlations", len(df), len(corr))
     return df
 

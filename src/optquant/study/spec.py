@@ -1,25 +1,28 @@
 """StudySpec: the whole study as data, with presets and TOML/dotted overrides.
 
 A preset is a plain function returning a StudySpec. `smoke` runs the whole pipeline in a minute (CI);
-`cpu` (the default) is the study this README reports, sized for a 2-core CPU; `gpu` is one GPU at
-~50M–125M; `paper` is the paper's grid (50M…1.5B, 8 learning rates, 20 tokens per parameter).
+`cpu` (the default) is the study this README reports, sized for a 2-core CPU; `cpu-thorough` the fuller
+design (more seeds, a wider span of sizes); `gpu` is one GPU at ~50M–125M; `paper` is the paper's grid
+(50M…1.5B, 8 learning rates, 20 tokens per parameter).
 
 LR grids are log-spaced around each optimizer's default learning rate (the paper's values, paper.md §3)
-unless given explicitly; an optimum at a grid edge is flagged and the grid extended once in that
-direction. `sweeps` are the paper's sequential one-dimensional sweeps of other hyperparameters at the
-smallest size (e.g. `{"muon": {"optim.momentum": (0.9, 0.95, 0.98)}}`); the best value of each
-hyperparameter is kept for the next one and for every size.
+unless given explicitly, then extended until the best LR is bracketed (at most `lr_extensions` rounds) and
+refined once (study/bracket.py). The LR search uses the first seed; the best LR's run, its Common-Loss
+model and its QAT run are repeated for every seed in `seeds`, which is what the report's intervals and
+paired tests are computed over. `sweeps` are the paper's sequential one-dimensional sweeps of other
+hyperparameters at the smallest size (e.g. `{"muon": {"optim.momentum": (0.9, 0.95, 0.98)}}`); the best
+value of each hyperparameter is kept for the next one and for every size.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from optquant.config import _parse, _set
+from optquant.config import parse_value, set_field
 from optquant.errors import OptquantError
 from optquant.optim import OPTIMIZERS
+from optquant.study.bracket import round_lr
 
 ALL_OPTIMIZERS = ("adamw", "muon", "psgd", "scion", "shampoo", "soap")
 PAPER_PTQ_SCHEMES = ("w4a4-rtn", "w4a4-gptq", "w4a4-rtn-had", "w4a4-gptq-had")
@@ -27,18 +30,22 @@ PAPER_PTQ_SCHEMES = ("w4a4-rtn", "w4a4-gptq", "w4a4-rtn-had", "w4a4-gptq-had")
 
 @dataclass(frozen=True)
 class StudySpec:
-    name: str = "cpu"
-    sizes: tuple[str, ...] = ("nano", "micro", "tiny")  # model presets, smallest first
+    name: str = "study"
+    sizes: tuple[str, ...] = ("zepto", "atto", "femto", "pico")  # model presets, smallest first
     optimizers: tuple[str, ...] = ALL_OPTIMIZERS
-    lr_points: int = 3  # points of each optimizer's log LR grid
+    lr_points: int = 3  # points of each optimizer's initial log LR grid
     lr_step: float = 3.0  # ratio between neighbouring grid points
+    lr_extensions: int = 3  # rounds of grid extension while the best LR sits at an edge
+    lr_refine: bool = True  # one more point between the best LR and its better neighbour
     lrs: dict[str, tuple[float, ...]] = field(default_factory=dict)  # explicit grids per optimizer
     sweeps: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)
     run: tuple[str, ...] = ()  # dotted overrides for every run (data, train budget, vocab, ...)
     per_optimizer: dict[str, tuple[str, ...]] = field(default_factory=dict)  # overrides for one optimizer
-    ptq_schemes: tuple[str, ...] = PAPER_PTQ_SCHEMES
+    ptq_schemes: tuple[str, ...] = PAPER_PTQ_SCHEMES  # on every Common-Loss model
+    sweep_ptq_schemes: tuple[str, ...] = ("w4a4-rtn",)  # on every LR-sweep run's final model
     qat_bits: tuple[int, ...] = (4,)  # QuEST W_bA_b runs at each optimizer's best LR; () = no QAT
-    seeds: tuple[int, ...] = (0,)
+    seeds: tuple[int, ...] = (0, 1, 2)  # the LR search uses seeds[0]; best-LR, CL and QAT runs use all
+    cl_eval_every: int = 1  # evaluation interval (steps) while locating the Common-Loss crossing
     workers: int = 2  # local worker processes; threads are split evenly between them
     executor: Literal["local", "slurm", "submitit-local"] = "local"
     fit_interval: Literal["bootstrap", "loo", "none"] = "bootstrap"  # scaling-fit uncertainty
@@ -50,20 +57,7 @@ def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
         return tuple(spec.lrs[optimizer])
     center = OPTIMIZERS[optimizer]().lr
     k = spec.lr_points
-    return tuple(_round(center * spec.lr_step ** (i - (k - 1) / 2)) for i in range(k))
-
-
-def _round(x: float) -> float:
-    return float(f"{x:.4g}")
-
-
-def extend(grid: tuple[float, ...], best: float, step: float) -> float | None:
-    """The next LR beyond the grid edge where the optimum sits, or None if it is inside."""
-    lo, hi = min(grid), max(grid)
-    if len(grid) < 2 or lo < best < hi:
-        return None
-    ratio = step if len(grid) < 2 else math.exp(abs(math.log(hi / lo)) / (len(grid) - 1))
-    return _round(best * ratio if best == hi else best / ratio)
+    return tuple(round_lr(center * spec.lr_step ** (i - (k - 1) / 2)) for i in range(k))
 
 
 def _caps(cap: int) -> dict[str, tuple[str, ...]]:
@@ -75,22 +69,34 @@ def _caps(cap: int) -> dict[str, tuple[str, ...]]:
 
 
 def smoke() -> StudySpec:
+    """Every stage at toy scale (CI): two sizes, a 2-point grid with one extension and a refinement,
+    two seeds, all PTQ schemes, QAT, fits and the report."""
     return StudySpec(
-        name="smoke", sizes=("femto", "nano"), lr_points=1, per_optimizer=_caps(256),
+        name="smoke", sizes=("femto", "nano"), lr_points=2, lr_extensions=1, seeds=(0, 1),
+        per_optimizer=_caps(256), fit_interval="none",
         run=("model.vocab_size=512", "model.seq_len=32", "train.batch_size=8", "train.steps=30",
              "train.eval_every=10", "train.eval_batches=2", "train.precision=fp32"),
-        ptq_schemes=PAPER_PTQ_SCHEMES, fit_interval="none",
     )
+
+
+_CPU_RUN = ("model.vocab_size=1024", "train.batch_size=16", "train.tokens_per_param=20",
+            "train.budget_params=non_embedding", "train.eval_every=25", "train.eval_batches=8")
 
 
 def cpu() -> StudySpec:
-    """The default: three sizes (12k, 28k, 55k non-embedding parameters), 20 tokens per non-embedding
-    parameter (Kaplan's N; with a 1024 vocabulary the embedding would otherwise set the budget)."""
-    return StudySpec(
-        name="cpu", sizes=("femto", "pico", "nano"), per_optimizer=_caps(512),
-        run=("model.vocab_size=1024", "train.batch_size=16", "train.tokens_per_param=20",
-             "train.budget_params=non_embedding", "train.eval_every=50", "train.eval_batches=8"),
-    )
+    """The default: four sizes from 3.1k to 27.6k non-embedding parameters (an 8.9× span, what the
+    scaling fit needs; the absolute size matters less), 20 tokens per non-embedding parameter (Kaplan's N,
+    which the fits count too; with a 1024 vocabulary the embedding would otherwise set the budget), three
+    seeds for every best-LR, Common-Loss and QAT run."""
+    return StudySpec(name="cpu", sizes=("zepto", "atto", "femto", "pico"), per_optimizer=_caps(512),
+                     run=_CPU_RUN)
+
+
+def cpu_thorough() -> StudySpec:
+    """The fuller CPU design: six sizes over a 32× span (3.1k…98k non-embedding), five seeds, a 4-point
+    initial grid. About ten times the default's compute."""
+    return StudySpec(name="cpu-thorough", sizes=("zepto", "atto", "femto", "pico", "nano", "micro"),
+                     lr_points=4, lr_step=2.5, seeds=(0, 1, 2, 3, 4), per_optimizer=_caps(512), run=_CPU_RUN)
 
 
 def gpu() -> StudySpec:
@@ -103,13 +109,13 @@ def paper() -> StudySpec:
                      lr_step=2.0, run=("model.vocab_size=32000",), executor="slurm", workers=1)
 
 
-PRESETS = {"smoke": smoke, "cpu": cpu, "gpu": gpu, "paper": paper}
+STUDY_PRESETS = {"smoke": smoke, "cpu": cpu, "cpu-thorough": cpu_thorough, "gpu": gpu, "paper": paper}
 
 
 def study_preset(name: str) -> StudySpec:
-    if name not in PRESETS:
-        raise OptquantError(f"unknown study preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return PRESETS[name]()
+    if name not in STUDY_PRESETS:
+        raise OptquantError(f"unknown study preset {name!r}; choose one of {', '.join(STUDY_PRESETS)}")
+    return STUDY_PRESETS[name]()
 
 
 def apply_study_overrides(spec: StudySpec, overrides: list[str]) -> StudySpec:
@@ -123,14 +129,14 @@ def apply_study_overrides(spec: StudySpec, overrides: list[str]) -> StudySpec:
             spec = replace(spec, run=spec.run + (value,))
         elif key.startswith("lrs."):
             opt = _known_optimizer(key[4:], item)
-            spec = replace(spec, lrs={**spec.lrs, opt: _parse(value, tuple[float, ...], key)})
+            spec = replace(spec, lrs={**spec.lrs, opt: parse_value(value, tuple[float, ...], key)})
         elif key.startswith("sweeps."):
             opt, _, param = key[7:].partition(".")
             _known_optimizer(opt, item)
             values = tuple(v.strip() for v in value.split(",") if v.strip())
             spec = replace(spec, sweeps={**spec.sweeps, opt: {**spec.sweeps.get(opt, {}), param: values}})
         else:
-            spec = _set(spec, [key], value, key)
+            spec = set_field(spec, [key], value, key)
     for opt in spec.optimizers:
         _known_optimizer(opt, "optimizers")
     return spec
@@ -143,9 +149,11 @@ def _known_optimizer(name: str, where: str) -> str:
 
 
 def estimate_jobs(spec: StudySpec) -> int:
-    """Jobs the study will run (for the progress display; grid extensions add a few)."""
-    grid = sum(len(lr_grid(spec, o)) for o in spec.optimizers)
-    fp = grid * len(spec.sizes) * len(spec.seeds)
+    """Jobs the study will run (for the progress display): the initial grid plus one extension and one
+    refinement per (optimizer, size), its PTQ, and the per-seed best-LR, CL, PTQ and QAT jobs."""
+    grid = sum(len(lr_grid(spec, o)) + 1 + spec.lr_refine for o in spec.optimizers) * len(spec.sizes)
     sweeps = sum(len(v) for opt in spec.sweeps.values() for v in opt.values())
-    cl = len(spec.optimizers) * len(spec.sizes) * len(spec.seeds)
-    return sweeps + 2 * fp + cl * (1 + len(spec.ptq_schemes) + len(spec.qat_bits))
+    per_seed = len(spec.optimizers) * len(spec.sizes) * len(spec.seeds)
+    extra_seeds = len(spec.optimizers) * len(spec.sizes) * (len(spec.seeds) - 1)
+    return (sweeps + (grid + extra_seeds) * (1 + len(spec.sweep_ptq_schemes))
+            + per_seed * (1 + len(spec.ptq_schemes) + len(spec.qat_bits)))
