@@ -7,7 +7,8 @@ channels scaled ×10 (the setup of dependencies.md §2). Reports the relative la
 tests/test_gptq.py checks GPTQ against references written the way the paper and IST-DASLab's code do it.
 
 Part 2: seconds of `optquant.metrics.propagation.propagation` (four evaluations per module) as a
-ratio to one FP plus one W4A4-quantized forward over the same batches.
+ratio to one FP plus one W4A4-quantized forward over the same batches, beside the implementation before
+its speed-up (tests/propagation_reference.py) measured in the same run, on `tiny` and `small`.
 
 Run: python benchmarks/ptq.py [--quick] [--threads N]. One thread by default: on the shared 2-core
 machine this was measured on, two threads made the column loop 30× slower (0.2 s → 6.9 s at 512²).
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from optquant.metrics.propagation import propagation
+from optquant.metrics.propagation import PropagationConfig, propagation
 from optquant.model import LM, model_config
 from optquant.quant.gptq import accumulate_hessian, gptq_quantize, layer_error
 from optquant.quant.primitives import QuantSpec, fake_quant
@@ -59,21 +60,38 @@ def layer_rows(shapes: list[tuple[int, int]], tokens: int) -> list[dict]:
     return rows
 
 
-def abc_ratio(preset: str, n_batches: int) -> str:
-    torch.manual_seed(0)
-    fp = LM(model_config(preset)).eval()
-    q = quantize_(copy.deepcopy(fp), PTQConfig())
-    batches = [torch.randint(0, fp.cfg.vocab_size, (4, fp.cfg.seq_len)) for _ in range(n_batches)]
-    with torch.no_grad():
-        fp(batches[0]), q(batches[0])  # warm-up
-        t = time.perf_counter()
-        for b in batches:
-            fp(b), q(b)
-        t_fwd = time.perf_counter() - t
-    t = time.perf_counter()
-    propagation(fp, q, batches)
-    t_abc = time.perf_counter() - t
-    return f"{t_abc / t_fwd:.2f}x ({t_abc:.2f} s vs {t_fwd:.2f} s; preset {preset}, {n_batches}×4 sequences)"
+def abc_rows(presets: list[str], n_batches: int) -> list[dict]:
+    """Seconds of the ABC analysis (both granularities) and, side by side in the same run, of the
+    implementation before its speed-up (tests/propagation_reference.py), each as a ratio to one FP plus
+    one W4A4 forward over the same batches (the method's floor is 2: four module evaluations)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import propagation_reference as ref
+
+    rows = []
+    for preset in presets:
+        torch.manual_seed(0)
+        fp = LM(model_config(preset)).eval()
+        q = quantize_(copy.deepcopy(fp), PTQConfig())
+        batches = [torch.randint(0, fp.cfg.vocab_size, (4, fp.cfg.seq_len)) for _ in range(n_batches)]
+        with torch.no_grad():
+            fp(batches[0]), q(batches[0])  # warm-up
+            t = time.perf_counter()
+            for b in batches:
+                fp(b), q(b)
+            t_fwd = time.perf_counter() - t
+        for gran in ("sublayer", "linear"):
+            row = {"preset": preset, "granularity": gran, "fwd": t_fwd}
+            for key, fn, cfg in (("new", propagation, PropagationConfig(granularity=gran)),
+                                 ("old", ref.propagation, ref.PropagationConfig(granularity=gran))):
+                fn(fp, q, batches[:1], cfg)  # warm-up
+                t = time.perf_counter()
+                fn(fp, q, batches, cfg)
+                row[key] = time.perf_counter() - t
+            rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -95,7 +113,13 @@ def main() -> None:
             f"{r['layer']:>10} {r['scheme']:>14} {r['rtn']:8.4f} {r['gptq']:9.4f} {r['gptq_ao']:8.4f} "
             f"{r['rtn_s']:7.3f} {r['gptq_s']:7.2f} {r['gptq_ao_s']:7.2f}"
         )
-    print(f"\nABC analysis / (FP + W4A4 forward): {abc_ratio('nano' if args.quick else 'tiny', 4)}")
+    print("\nABC analysis, seconds and ratio to one FP + one W4A4 forward (4 batches × 4 sequences):")
+    head = f"{'preset':>7} {'granularity':>11} {'FP+W4A4 s':>10} {'ABC s':>7} {'ratio':>6} {'before s':>9} {'ratio':>6}"
+    print(head)
+    print("-" * len(head))
+    for r in abc_rows(["nano"] if args.quick else ["tiny", "small"], 4):
+        print(f"{r['preset']:>7} {r['granularity']:>11} {r['fwd']:10.2f} {r['new']:7.2f} {r['new'] / r['fwd']:5.2f}x "
+              f"{r['old']:9.2f} {r['old'] / r['fwd']:5.2f}x")
 
 
 if __name__ == "__main__":

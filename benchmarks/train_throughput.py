@@ -15,7 +15,10 @@ The peak is measured in the same run: GFLOP/s of one n×n by n×n matmul (2n³ F
 the same thread count, the fastest of 5 calls. Every number is then the median of `--repeats` runs
 (the machine is shared and noisy), repeats interleaved over configs so a busy spell hurts all alike.
 
-Run: python benchmarks/train_throughput.py [--quick] [--repeats 3] [--threads N] [--batch 16]
+Compiled column: the same step with `torch.compile(model)` (what `train.compile=on` does), measured in
+the same run and interleaved with the eager one; "compile s" is the first (compiling) step's seconds.
+
+Run: python benchmarks/train_throughput.py [--quick] [--repeats 3] [--threads N] [--batch 16] [--no-compile]
 One thread by default: on the shared 2-core machine this was written on (load average ≈ 4), two
 threads made a nano step 28× slower (2.3 s vs 81 ms), OpenMP workers waiting on a preempted sibling.
 Under bf16 autocast torch warns that RMSNorm gets a bf16 input with an fp32 weight and skips its fused
@@ -62,9 +65,11 @@ def flops_per_token(model: LM) -> tuple[int, float]:
 class Bench:
     """One preset × precision: a model, its optimizers and a fixed batch."""
 
-    def __init__(self, preset: str, bf16: bool, batch: int):
+    def __init__(self, preset: str, bf16: bool, batch: int, compiled: bool = False):
         torch.manual_seed(0)
         self.model = LM(model_config(preset, vocab_size=VOCAB))
+        self.fwd = torch.compile(self.model) if compiled else self.model  # as train.compile=on does
+        self.compile_seconds = 0.0
         self.optimizers = build_optimizers(self.model, AdamWConfig())
         T = self.model.cfg.seq_len
         self.x = torch.randint(0, VOCAB, (batch, T))
@@ -73,7 +78,7 @@ class Bench:
 
     def step(self) -> None:
         with autocast(self.device, self.bf16):
-            loss = lm_loss(self.model, self.x, self.y)
+            loss = lm_loss(self.fwd, self.x, self.y)
         loss.backward()
         for opt in self.optimizers:
             opt.step()
@@ -81,8 +86,11 @@ class Bench:
             opt.zero_grad(set_to_none=True)
 
     def seconds_per_step(self, steps: int, warmup: int) -> float:
-        for _ in range(warmup):
+        for i in range(warmup):
+            t = time.perf_counter()
             self.step()
+            if i == 0 and self.fwd is not self.model and not self.compile_seconds:
+                self.compile_seconds = time.perf_counter() - t  # the first call compiles (fwd + bwd)
         t = time.perf_counter()
         for _ in range(steps):
             self.step()
@@ -91,9 +99,11 @@ class Bench:
 
 def run(args: argparse.Namespace) -> None:
     steps, warmup, mm_reps = (2, 1, 2) if args.quick else (args.steps, 2, 5)
-    benches = {(p, bf16): Bench(p, bf16, args.batch) for p in args.presets for bf16 in (False, True)}
+    modes = (False, True) if args.compile else (False,)
+    benches = {(p, bf16, c): Bench(p, bf16, args.batch, c) for p in args.presets for bf16 in (False, True)
+               for c in modes}
     peaks: dict[str, list[float]] = {"fp32": [], "bf16": []}
-    seconds: dict[tuple[str, bool], list[float]] = {key: [] for key in benches}
+    seconds: dict[tuple[str, bool, bool], list[float]] = {key: [] for key in benches}
     for _ in range(args.repeats):
         peaks["fp32"].append(matmul_gflops(args.matmul_n, torch.float32, mm_reps))
         peaks["bf16"].append(matmul_gflops(args.matmul_n, torch.bfloat16, mm_reps))
@@ -106,18 +116,25 @@ def run(args: argparse.Namespace) -> None:
         f"median of {args.repeats} repeats × {steps} steps"
     )
     print(f"matmul peak {n}×{n}×{n}: fp32 {peak['fp32']:.1f} GFLOP/s, bf16 {peak['bf16']:.1f} GFLOP/s\n")
-    print("| preset | L | d | T | N (matmul) | FLOP/token | precision | ms/step | tokens/s | GFLOP/s | % of peak |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for (preset, bf16), bench in benches.items():
+    print("| preset | L | d | T | N (matmul) | FLOP/token | precision | ms/step | tokens/s | GFLOP/s | % of peak "
+          "| compiled ms/step | compiled speed-up | compile s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (preset, bf16, compiled), bench in benches.items():
+        if compiled:
+            continue
         cfg = bench.model.cfg
         n_mm, fpt = flops_per_token(bench.model)
-        s = statistics.median(seconds[(preset, bf16)])
+        s = statistics.median(seconds[(preset, bf16, False)])
         tps = args.batch * cfg.seq_len / s
         gflops, name = tps * fpt / 1e9, "bf16" if bf16 else "fp32"
+        comp = "| – | – | – |"
+        if (preset, bf16, True) in benches:
+            sc = statistics.median(seconds[(preset, bf16, True)])
+            comp = f"| {1e3 * sc:.1f} | {s / sc:.2f}× | {benches[(preset, bf16, True)].compile_seconds:.1f} |"
         print(
             f"| {preset} | {cfg.n_layer} | {cfg.d_model} | {cfg.seq_len} | {n_mm / 1e6:.2f}M | "
             f"{fpt / 1e6:.1f}M | {name} | {1e3 * s:.1f} | {tps:,.0f} | {gflops:.1f} | "
-            f"{100 * gflops / peak[name]:.0f}% |"
+            f"{100 * gflops / peak[name]:.0f}% {comp}"
         )
 
 
@@ -130,6 +147,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     p.add_argument("--matmul-n", type=int, default=2048)
     p.add_argument("--presets", nargs="+", default=list(CPU_MODEL_PRESETS), choices=CPU_MODEL_PRESETS)
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="skip the torch.compile column (compiling takes minutes per config on a busy CPU)")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     if args.threads:

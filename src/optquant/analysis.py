@@ -72,6 +72,33 @@ def load_run_model(run_dir: Path, weights: Weights = "final") -> tuple[RunConfig
     return cfg, load_weights(path, model).eval()
 
 
+class LoadedRun:
+    """A run's config, model and tokens, loaded once and shared by the PTQ and analysis of one job,
+    with the (FP reference, quantized copy) pair of each scheme built once (GPTQ included)."""
+
+    def __init__(self, run_dir: Path, weights: Weights):
+        cfg, model = load_run_model(run_dir, weights)
+        self._set(cfg, model, load_tokens(cfg.data, cfg.model.vocab_size))
+
+    @classmethod
+    def of(cls, cfg: RunConfig, model: nn.Module, data) -> LoadedRun:
+        """A model loaded elsewhere (e.g. a Hugging Face one, optquant.hf) with its config and tokens."""
+        run = cls.__new__(cls)
+        run._set(cfg, model, data)
+        return run
+
+    def _set(self, cfg: RunConfig, model: nn.Module, data) -> None:
+        self.cfg, self.model, self.data = cfg, model, data
+        self._pairs: dict[tuple, tuple[nn.Module, nn.Module]] = {}
+
+    def pair(self, qcfg: PTQConfig, acfg: AnalysisConfig) -> tuple[nn.Module, nn.Module]:
+        key = (qcfg, acfg.gptq_sequences)
+        if key not in self._pairs:
+            calib = None if qcfg.method == "rtn" else _gptq_calib(self.cfg, self.data, acfg)
+            self._pairs[key] = ptq_pair(self.model, qcfg, calib)
+        return self._pairs[key]
+
+
 def _batches(cfg: RunConfig, tokens, n: int, seed: int) -> list:
     micro = cfg.train.batch_size // cfg.train.grad_accum
     return fixed_batches(tokens, n, micro, cfg.model.seq_len, seed=seed)
@@ -87,12 +114,13 @@ def out_dir(run_dir: Path, acfg: AnalysisConfig, scheme: str) -> Path:
     return Path(run_dir) / "ptq" / acfg.weights / scheme
 
 
-def ptq_eval(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig()) -> dict[str, Any]:
-    """Val loss and MC accuracy of the FP model and its quantized copy; writes summary.json."""
-    cfg, model = load_run_model(run_dir, acfg.weights)
-    data = load_tokens(cfg.data, cfg.model.vocab_size)
-    result = ptq_eval_model(cfg, model, data, qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
-    _track(cfg, run_dir, f"ptq/{acfg.weights}/{qcfg.name}", result)
+def ptq_eval(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig(),
+             run: LoadedRun | None = None) -> dict[str, Any]:
+    """Val loss and MC accuracy of the FP model and its quantized copy; writes summary.json.
+    `run`: the run already loaded (shared with `analyze` in one job)."""
+    run = run or LoadedRun(run_dir, acfg.weights)
+    result = ptq_eval_model(run, qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
+    _track(run.cfg, run_dir, f"ptq/{acfg.weights}/{qcfg.name}", result)
     return result
 
 
@@ -106,11 +134,11 @@ def _track(cfg: RunConfig, run_dir: Path, prefix: str, result: dict) -> None:
     tracker.close()
 
 
-def ptq_eval_model(cfg: RunConfig, model: nn.Module, data, qcfg: PTQConfig, acfg: AnalysisConfig,
-                   out_path: Path) -> dict[str, Any]:
-    """ptq_eval on a loaded model (ours or optquant.hf's) and its token data; writes out_path/summary.json."""
+def ptq_eval_model(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out_path: Path) -> dict[str, Any]:
+    """ptq_eval on a loaded model (ours or optquant.hf's, see LoadedRun.of); writes out_path/summary.json."""
+    cfg, data = run.cfg, run.data
     val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
-    fp, q = ptq_pair(model, qcfg, _gptq_calib(cfg, data, acfg) if qcfg.method == "gptq" else None)
+    fp, q = run.pair(qcfg, acfg)
     out = {"scheme": qcfg.name, "weights": acfg.weights, "ptq": dataclasses.asdict(qcfg)}
     for tag, m in (("fp", fp), ("q", q)):
         out[f"val_loss_{tag}"] = val_loss(m, val).loss
@@ -124,20 +152,20 @@ def ptq_eval_model(cfg: RunConfig, model: nn.Module, data, qcfg: PTQConfig, acfg
     return out
 
 
-def analyze(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig()) -> dict[str, Any]:
-    """Outliers of the FP model and the ABC decomposition against its quantized copy."""
-    cfg, model = load_run_model(run_dir, acfg.weights)
-    data = load_tokens(cfg.data, cfg.model.vocab_size)
-    return analyze_model(cfg, model, data, qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
+def analyze(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig(),
+            run: LoadedRun | None = None) -> dict[str, Any]:
+    """Outliers of the FP model and the ABC decomposition against its quantized copy.
+    `run`: the run already loaded (shared with `ptq_eval` in one job)."""
+    return analyze_model(run or LoadedRun(run_dir, acfg.weights), qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
 
 
-def analyze_model(cfg: RunConfig, model: nn.Module, data, qcfg: PTQConfig, acfg: AnalysisConfig,
-                  out: Path) -> dict[str, Any]:
-    """analyze on a loaded model (ours or optquant.hf's) and its token data; writes into `out`."""
+def analyze_model(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
+    """analyze on a loaded model (ours or optquant.hf's, see LoadedRun.of); writes into `out`."""
+    cfg, model, data = run.cfg, run.model, run.data
     calib = _batches(cfg, data.val, acfg.calib_batches, cfg.seed + 12345)
     skip = () if qcfg.quantize_head else ("lm_head",)
     layers = outlier_metrics(model, calib, skip=skip)
-    fp, q = ptq_pair(model, qcfg, None if qcfg.method == "rtn" else _gptq_calib(cfg, data, acfg))
+    fp, q = run.pair(qcfg, acfg)
     rows, summary = propagation(fp, q, calib, PropagationConfig(granularity=acfg.granularity, skip=skip))
     write_parquet(out / "outliers.parquet", pd.DataFrame([dataclasses.asdict(r) for r in layers]))
     write_parquet(out / "propagation.parquet", pd.DataFrame([dataclasses.asdict(r) for r in rows]))

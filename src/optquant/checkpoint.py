@@ -176,12 +176,14 @@ def _unflatten(obj: Any, tensors: dict[str, Tensor]) -> Any:
 
 def model_tensors(model: nn.Module) -> dict[str, Tensor]:
     """The model's state dict with tied tensors stored once (the first name wins)."""
+    from optquant.compiled import strip_prefix
+
     out, seen = {}, set()
     for name, t in model.state_dict().items():
         if t.data_ptr() in seen and t.numel() > 0:
             continue
         seen.add(t.data_ptr())
-        out[name] = t.detach().cpu().contiguous()
+        out[strip_prefix(name)] = t.detach().cpu().contiguous()  # the same names compiled or not
     return out
 
 
@@ -216,8 +218,11 @@ def load_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
 
 
 def load_model_tensors(model: nn.Module, tensors: dict[str, Tensor], source: Path | str) -> None:
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in tensors and not _is_tied_alias(model, k, tensors)]
+    from optquant.compiled import strip_prefix
+
+    expected = {strip_prefix(k): v for k, v in model.state_dict().items()}  # compiled or not, either way
+    tensors = {strip_prefix(k): v for k, v in tensors.items()}
+    missing = [k for k in expected if k not in tensors and not _is_tied_alias(expected, k, tensors)]
     unexpected = [k for k in tensors if k not in expected]
     if missing or unexpected:
         raise OptquantError(
@@ -232,8 +237,7 @@ def load_model_tensors(model: nn.Module, tensors: dict[str, Tensor], source: Pat
                 t.copy_(tensors[name])
 
 
-def _is_tied_alias(model: nn.Module, name: str, tensors: dict[str, Tensor]) -> bool:
-    state = model.state_dict()
+def _is_tied_alias(state: dict[str, Tensor], name: str, tensors: dict[str, Tensor]) -> bool:
     ptr = state[name].data_ptr()
     return any(k in tensors and state[k].data_ptr() == ptr for k in state if k != name)
 

@@ -49,6 +49,12 @@ def _train(args: argparse.Namespace) -> int:
     from optquant.runs import locked, read_summary, run_dir
     from optquant.train import train
 
+    if args.dry_run:
+        from optquant.budget import budget_lines, split_plan_overrides
+
+        plan, overrides = split_plan_overrides(args.set or [])
+        print("\n".join(budget_lines(resolve(args.preset, args.config, overrides), plan)))
+        return 0
     cfg = resolve(args.preset, args.config, args.set or [])
     path = run_dir(args.out, cfg)
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 talks, locks and deletes
@@ -171,6 +177,13 @@ def _study(args: argparse.Namespace) -> int:
 
     toml_preset, toml_overrides = load_toml(args.config) if args.config else (None, [])
     spec = study_preset(args.preset or toml_preset or "cpu")
+    if args.dry_run:
+        from optquant.budget import split_plan_overrides
+        from optquant.study.budget import study_lines
+
+        plan, overrides = split_plan_overrides(toml_overrides + (args.set or []))
+        print("\n".join(study_lines(apply_study_overrides(spec, overrides), plan)))
+        return 0
     spec = apply_study_overrides(spec, toml_overrides + (args.set or []))
     root = args.out or Path("studies") / spec.name
     bar = tqdm(total=estimate_jobs(spec), unit="job", dynamic_ncols=True, disable=args.quiet)
@@ -361,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "a plugin: module:function, file.py:function or an optquant.optimizers entry point")
     p.add_argument("--out", type=Path, default=Path("runs"), help="root of run directories (default: runs)")
     p.add_argument("--force", action="store_true", help="retrain even if the run is done")
+    p.add_argument("--dry-run", action="store_true", help="print the run's cost and peak memory, train nothing "
+                   "(--set plan.gpu=a100 --set plan.mfu=0.35 choose the accelerator)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
 
@@ -382,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="TOML file of study settings")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a study setting (repeatable)")
     p.add_argument("--out", type=Path, help="study directory (default: studies/<preset>)")
+    p.add_argument("--dry-run", action="store_true", help="print the jobs per stage, each run's cost and memory "
+                   "and the GPU-hours, run nothing (--set plan.gpu=h100|a100|...)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(func=_study)
     p = sub.add_parser("fit", help="(re)fit a study's scaling laws and correlations from results.parquet")

@@ -47,6 +47,7 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 autocast where it is fast
     cl_threshold: float | None = None  # Common Loss: keep the model that first reaches this val loss
     stop_at_cl: bool = False  # end the run at that first crossing (a study's CL re-run needs no more)
+    compile: Literal["auto", "on", "off"] = "auto"  # torch.compile; auto = on for CUDA (not in the run id)
     cl_eval_every: int = 0  # while the CL is not reached: also evaluate every this many steps (0 = off)
     cl_eval_from: int = 0  # ... from this step on (the last regular evaluation before the crossing)
     keep_history: bool = False  # keep the checkpoint of every evaluation in history/ (a study's LR sweep)
@@ -92,10 +93,14 @@ def run_preset(name: str) -> RunConfig:
 
 
 def config_hash(cfg: Any) -> str:
-    d = to_dict(cfg)
+    """The run id's hash. Left out: `log` (where a run is logged) and `train.compile` (how it executes)
+    are not which run it is, and run ids from before those settings existed stay valid."""
+    data = to_dict(cfg)
     if isinstance(cfg, RunConfig):
-        d.pop("log")  # where a run is logged does not change the run
-    return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+        data.pop("log", None)
+    if isinstance(data.get("train"), dict):
+        data["train"].pop("compile", None)
+    return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def run_id(cfg: RunConfig) -> str:

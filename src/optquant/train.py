@@ -125,6 +125,10 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     model = build_model(cfg).to(device)
     optimizers = build_optimizers(model, cfg.optim)
     ddp_model = ctx.wrap(model)
+    from optquant.compiled import maybe_compile  # train.compile: the step and the evaluations
+
+    run_model = maybe_compile(ddp_model, tc.compile, device)
+    eval_model = run_model if ddp_model is model else maybe_compile(model, tc.compile, device)
     steps = total_steps(cfg, model)
     bf16 = use_bf16(tc.precision, device)
     # The validation set must not depend on how many processes train: draw it as one process would and
@@ -166,7 +170,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         for i in range(tc.grad_accum):
             x, y = get_batch(data.train, micro, cfg.model.seq_len, gen)
             with ctx.no_sync(ddp_model, last=i == tc.grad_accum - 1), autocast(device, bf16):
-                loss = lm_loss(ddp_model, x.to(device), y.to(device)) / tc.grad_accum
+                loss = lm_loss(run_model, x.to(device), y.to(device)) / tc.grad_accum
             loss.backward()
             loss_sum += loss.item()
         loss_sum = ctx.mean(loss_sum)
@@ -187,7 +191,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
                                      "tokens_per_s": info["tokens_per_step"] / (time.perf_counter() - t0)})
         regular = state["step"] % tc.eval_every == 0 or state["step"] == steps
         if regular or _near_cl(tc, state):
-            last_val = ctx.mean(validation_loss(model, val))  # the same on every rank: same breaks
+            last_val = ctx.mean(validation_loss(eval_model, val))  # the same on every rank: same breaks
             if (reason := divergence("val loss", last_val, bound)) is not None:
                 status, diverged_step = "diverged", state["step"]
                 break

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from optquant.analysis import AnalysisConfig, analyze_model, ptq_eval_model
+from optquant.analysis import AnalysisConfig, LoadedRun, analyze_model, ptq_eval_model
 from optquant.config import RunConfig, TrainConfig
 from optquant.data import DataConfig, TokenData, read_documents, split_documents
 from optquant.errors import OptquantError
@@ -81,9 +81,9 @@ def default_out(path: Path) -> Path:
 
 def hf_ptq_eval(src: HFSource, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
     cfg, model, data = _setup(src, acfg)
-    return ptq_eval_model(cfg, model, data, qcfg, acfg, Path(out) / qcfg.name)
+    return ptq_eval_model(LoadedRun.of(cfg, model, data), qcfg, acfg, Path(out) / qcfg.name)
 
 
 def hf_analyze(src: HFSource, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
     cfg, model, data = _setup(src, acfg)
-    return analyze_model(cfg, model, data, qcfg, acfg, Path(out) / qcfg.name)
+    return analyze_model(LoadedRun.of(cfg, model, data), qcfg, acfg, Path(out) / qcfg.name)

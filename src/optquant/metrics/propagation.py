@@ -112,6 +112,55 @@ def _rows2d(x: Tensor) -> Tensor:
     return x.double().reshape(-1, x.shape[-1])
 
 
+def _sq(x: Tensor) -> Tensor:
+    """Per-row squared norm of a 2-D tensor, accumulated in fp64."""
+    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).square()
+
+
+def input_rows(h: Tensor, hq: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row (‖h‖², ‖h^q − h‖²) in fp64."""
+    h2 = _rows2d(h)
+    return _sq(h2), _sq(_rows2d(hq) - h2)
+
+
+def _dot(x: Tensor, y: Tensor) -> Tensor:
+    """Per-row ⟨x, y⟩ of 2-D tensors, as a batched matmul (no elementwise temporary)."""
+    return torch.einsum("ij,ij->i", x, y)
+
+
+class Workspace:
+    """Reusable fp64 buffers for `output_rows`, one set per row shape. Large tensors are the analysis'
+    main cost on CPU, through fresh pages rather than arithmetic: reusing them makes the bookkeeping
+    of a module cost a fraction of its evaluation."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, ...], list[Tensor]] = {}
+
+    def get(self, shape: tuple[int, ...], device: torch.device) -> list[Tensor]:
+        key = (*shape, str(device))
+        if key not in self.buffers:
+            self.buffers[key] = [torch.empty(shape, dtype=torch.float64, device=device) for _ in range(6)]
+        return self.buffers[key]
+
+
+def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor], work: Workspace | None = None) -> dict[str, Tensor]:
+    """Per-row ‖y‖², ‖Δy‖², ‖a‖², ‖b‖², 2⟨a,b⟩ in fp64 from f(h), f(h^q), f^q(h), f^q(h^q).
+
+    With u = qq − ff (= Δy) and v = fq − qf, the Shapley terms of `shapley_split` are a = ½(u + v) and
+    b = ½(u − v), so ‖a‖² = ¼(‖u‖² + ‖v‖² + 2⟨u,v⟩), ‖b‖² = ¼(‖u‖² + ‖v‖² − 2⟨u,v⟩) and
+    2⟨a,b⟩ = ½(‖u‖² − ‖v‖²): three row reductions instead of materialising a and b (equal up to
+    rounding, ~1e-16 of ‖u‖² + ‖v‖²)."""
+    rows = tuple(ys[0].reshape(-1, ys[0].shape[-1]).shape)
+    ff, fq, qf, qq, u, v = (work or Workspace()).get(rows, ys[0].device)
+    ff, fq, qf, qq = (y.reshape(rows) if y.dtype == torch.float64 else buf.copy_(y.reshape(rows))
+                      for buf, y in zip((ff, fq, qf, qq), ys, strict=True))
+    torch.sub(qq, ff, out=u)
+    torch.sub(fq, qf, out=v)
+    uu, vv, uv = _sq(u), _sq(v), _dot(u, v)
+    return {"d": uu, "y": _sq(ff), "a": 0.25 * (uu + vv + 2 * uv), "b": 0.25 * (uu + vv - 2 * uv),
+            "ab": 0.5 * (uu - vv)}
+
+
 class _Sums:
     """Streaming sums of the ABC terms of one module over batches, in both norms."""
 
@@ -122,21 +171,17 @@ class _Sums:
         self.lin = dict.fromkeys(("MdH", "dH", "WH", "H"), 0.0)
 
     def add(self, h: Tensor, hq: Tensor, ys: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
-        a, b = shapley_split(*ys)
-        a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-        y, d = _rows2d(ys[0]), _rows2d(ys[3]) - _rows2d(ys[0])
-        hin, din = _rows2d(h), _rows2d(hq) - _rows2d(h)
-        sq = {
-            "d": d.square().sum(-1), "a": a.square().sum(-1), "b": b.square().sum(-1),
-            "ab": 2 * (a * b).sum(-1), "y": y.square().sum(-1),
-            "din": din.square().sum(-1), "hin": hin.square().sum(-1),
-        }  # fmt: skip
+        self.add_rows(input_rows(h, hq), output_rows(ys))
+
+    def add_rows(self, inp: tuple[Tensor, Tensor], out: dict[str, Tensor]) -> None:
+        """Add per-row squared norms: `inp` = (‖h‖², ‖h^q − h‖²), `out` from `output_rows`."""
+        sq = {**out, "hin": inp[0], "din": inp[1]}
         for k, v in sq.items():
             self.ten[k] += v.sum().item()
         for term, num, den in (("R", "d", "y"), ("A", "a", "y"), ("B", "b", "y"), ("C", "ab", "y")):
             self.tok[term] += (sq[num] / sq[den]).sum().item()
         self.tok["R_in"] += (sq["din"] / sq["hin"]).sum().item()
-        self.n += y.shape[0]
+        self.n += sq["y"].shape[0]
 
     def add_linear(self, W: Tensor, Wq: Tensor, h: Tensor, hq: Tensor) -> None:
         M = 0.5 * (W.double() + Wq.double())
@@ -225,23 +270,46 @@ def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
     return links
 
 
-def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums]) -> tuple[Tensor, Tensor]:
-    """The four evaluations of one chain module (plus its linears); returns the next (h, h^q)."""
+def _pair(f: Callable, h: Tensor, hq: Tensor) -> tuple[Tensor, Tensor]:
+    """(f(h), f(h^q)) from one call on the two inputs stacked along the batch (every module here acts
+    on each sequence alone)."""
+    y = f(torch.cat((h, hq)))
+    return y[: h.shape[0]], y[h.shape[0]:]
+
+
+def _halves(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    return x[:n], x[n:]
+
+
+def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums], inp: tuple[Tensor, Tensor],
+               work: Workspace) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+    """The four evaluations of one chain module (plus its linears), as two batched calls; returns the
+    next (h, h^q) and their per-row input norms (this module's output norms: nothing is recomputed)."""
     fp_lin = {n: fp.get_submodule(n) for n in link.linears}
     q_lin = {n: q.get_submodule(n) for n in link.linears}
     with capture(fp, fp_lin, outputs=True) as acts_f:
-        y_ff = link.f(h)
+        y_ff, y_fq = _pair(link.f, h, hq)
     with capture(q, q_lin, outputs=True) as acts_q:
-        y_qq = link.fq(hq)
-    sums[link.name].add(h, hq, (y_ff, link.f(hq), link.fq(h), y_qq))
+        y_qf, y_qq = _pair(link.fq, h, hq)
+    out = output_rows((y_ff, y_fq, y_qf, y_qq), work)
+    sums[link.name].add_rows(inp, out)
+    B = h.shape[0]
     for n in link.linears:
         calls = zip(acts_f.inputs[n], acts_f.outputs[n], acts_q.inputs[n], acts_q.outputs[n], strict=True)
-        for x, lin_ff, xq, lin_qq in calls:
+        for xf, of, xq_, oq in calls:
+            (x, x_in_fhq), (lin_ff, lin_fq) = _halves(xf, B), _halves(of, B)
+            (x_in_qh, xq), (lin_qf, lin_qq) = _halves(xq_, B), _halves(oq, B)
+            # the cross evaluations f_lin(x^q), f^q_lin(x) came for free when the linear saw the same
+            # input inside f(h^q) / f^q(h) (e.g. q/k/v and the MLP's up projection read h directly)
+            if not torch.equal(x_in_fhq, xq):
+                lin_fq = fp_lin[n](xq)
+            if not torch.equal(x_in_qh, x):
+                lin_qf = q_lin[n](x)
             s = sums[n]
-            s.add(x, xq, (lin_ff, fp_lin[n](xq), q_lin[n](x), lin_qq))
+            s.add_rows(input_rows(x, xq), output_rows((lin_ff, lin_fq, lin_qf, lin_qq), work))
             if fp_lin[n].weight.shape == q_lin[n].weight.shape:
                 s.add_linear(fp_lin[n].weight, q_lin[n].weight, x, xq)
-    return y_ff, y_qq
+    return y_ff, y_qq, (out["y"], out["d"])
 
 
 def _rows(links: list[_Link], sums: dict[str, _Sums], fp, q) -> list[ABCRow]:
@@ -283,19 +351,21 @@ def propagation(
     """ABC rows (both norms; linear rows before their chain module) and the summary in `cfg.norm`.
 
     `fp` is the FP reference (the rotated FP model when the PTQ rotates) and `q` its quantized copy;
-    `batches` yields token ids (B, T) or (x, y) pairs. Cost: four evaluations per chain module.
+    `batches` yields token ids (B, T) or (x, y) pairs. Cost: four evaluations per chain module, run as
+    two calls on the stacked inputs; a module's output norms are its successor's input norms.
     """
     links = _chain(fp, q, cfg)
     sums = {n: _Sums() for link in links for n in (*link.linears, link.name)}
     modes = fp.training, q.training
     fp.eval(), q.eval()
     try:
-        device = next(fp.parameters()).device
+        device, work = next(fp.parameters()).device, Workspace()
         for batch in batches:
             idx = (batch[0] if isinstance(batch, tuple | list) else batch).to(device)
             h, hq = fp.embed(idx), q.embed(idx)
+            inp = input_rows(h, hq)
             for link in links:
-                h, hq = _step_link(fp, q, link, h, hq, sums)
+                h, hq, inp = _step_link(fp, q, link, h, hq, sums, inp, work)
     finally:
         fp.train(modes[0]), q.train(modes[1])
     rows = _rows(links, sums, fp, q)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from optquant.report import curves, figures, paper
 from optquant.report.claims import claims_table
+from optquant.report.costs import cost_section
 from optquant.report.html import Section, page
 from optquant.report.load import StudyData, fmt_count, load_study
 from optquant.report.tables import (
@@ -120,7 +121,7 @@ def _qat_sections(d: StudyData, fig_dir: Path) -> list[Section]:
 
 
 def _sections(d: StudyData, fig_dir: Path) -> list[Section]:
-    return [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir)]
+    return [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir), cost_section(d.root)]
 
 
 def _header(d: StudyData) -> str:

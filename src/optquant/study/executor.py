@@ -9,13 +9,22 @@ study is resumed by running the same batch again.
   with the study process, however it ends (prctl PDEATHSIG on Linux).
 - `slurm`: submitit's AutoExecutor (one Slurm job per study job); `submitit-local` is submitit's local
   executor, which runs the same code path on this machine and is how the Slurm route is tested.
+
+Waste: a job whose outputs already exist (a finished run resubmitted by a later stage, a PTQ result of
+an earlier attempt) is answered from its files without a worker. The others are submitted longest
+first (`Job.cost`, else `estimate_cost`: training FLOPs, or forward passes for PTQ/outliers), so the
+long jobs do not end up alone at the tail of a batch. Every job that ran is appended to `costs.jsonl`
+(one JSON line, written by this process alone: stage, optimizer, size, start/end, worker, seconds per
+part), which the report's cost section reads.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -31,6 +40,7 @@ class Job:
     kind: str  # "train" | "ptq" | "outliers"
     key: str  # unique within a study: the run id, or run id/scheme
     args: dict[str, Any] = field(default_factory=dict)
+    cost: float = 0.0  # relative cost for scheduling (0 = estimate it); the longest start first
 
 
 def run_job(job: Job) -> dict[str, Any]:
@@ -56,6 +66,106 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+
+
+def timed_job(job: Job) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(result, timing) of `run_job`: wall-clock start/end, the worker's pid and seconds per part."""
+    from optquant.study.jobs import TIMING_KEY
+
+    start = time.time()
+    result = run_job(job)
+    end = time.time()
+    parts = result.pop(TIMING_KEY, None) if isinstance(result, dict) else None
+    return result, {"start": start, "end": end, "worker": f"{os.uname().nodename}:{os.getpid()}",
+                    "parts": parts or {}}
+
+
+def done_result(job: Job) -> dict[str, Any] | None:
+    """The result of a job whose outputs already exist (read from its files), else None."""
+    from optquant.analysis import AnalysisConfig, read_json, read_result
+    from optquant.runs import read_summary
+
+    if job.kind == "train":
+        return read_summary(Path(job.args["run_dir"]))
+    if job.kind == "ptq":
+        from optquant.quant.ptq import PTQConfig
+
+        acfg, name = AnalysisConfig(weights=job.args["weights"]), PTQConfig(**job.args["ptq"]).name
+        path = Path(job.args["run_dir"])
+        damage, metrics = read_result(path, acfg, name, "summary.json"), read_result(path, acfg, name, "analysis.json")
+        return {**damage, **metrics} if damage is not None and metrics is not None else None
+    if job.kind == "outliers":
+        path = Path(job.args["run_dir"]) / "ptq" / "final" / "outliers.json"
+        return read_json(path) if path.exists() else None
+    return None
+
+
+def _run_config(job: Job):
+    from optquant.config import from_dict
+    from optquant.runs import read_config
+
+    if job.kind == "train":
+        return from_dict(job.args["config"])
+    return read_config(Path(job.args["run_dir"]))
+
+
+def estimate_cost(job: Job) -> float:
+    """FLOPs-like cost: a training run's 6·N·D + attention; a PTQ job ~ 12 forwards and an outlier job
+    ~ 2 forwards of N parameters over its evaluation tokens (eval batches × micro-batch × T)."""
+    if job.cost > 0:
+        return job.cost
+    try:
+        from optquant.budget import meta_model, training_flops
+        from optquant.model import count_params
+        from optquant.train import total_steps
+
+        cfg = _run_config(job)
+        model = meta_model(cfg)
+        n = count_params(model)
+        if job.kind == "train":
+            return training_flops(cfg, n, total_steps(cfg, model) * cfg.train.batch_size * cfg.model.seq_len)
+        tokens = cfg.train.eval_batches * cfg.train.batch_size // cfg.train.grad_accum * cfg.model.seq_len
+        return 2.0 * n * tokens * (12 if job.kind == "ptq" else 2)
+    except Exception:  # a job we cannot cost (config missing) is still run, last
+        log.debug("no cost estimate for %s", job.key, exc_info=True)
+        return 0.0
+
+
+def longest_first(jobs: list[Job]) -> list[Job]:
+    """Jobs by decreasing estimated cost (stable: equal costs keep their order)."""
+    costs = {job.key: estimate_cost(job) for job in jobs}
+    return sorted(jobs, key=lambda j: -costs[j.key])
+
+
+def cost_record(job: Job, timing: dict[str, Any], workers: int) -> dict[str, Any]:
+    """One costs.jsonl line: the job, its stage, optimizer and size, and where its time went."""
+    stage, optimizer, size = job.kind, None, None
+    try:
+        cfg = _run_config(job)
+        optimizer, size = cfg.optim.name, cfg.name.rsplit("-", 1)[-1]
+        if job.kind == "train":
+            stage = "qat" if cfg.qat is not None else "cl" if cfg.train.cl_threshold is not None else "fp"
+    except Exception:
+        log.debug("no config for %s", job.key, exc_info=True)
+    seconds = timing["end"] - timing["start"]
+    parts = timing["parts"] or {{"train": "qat" if stage == "qat" else "training", "ptq": "ptq",
+                                 "outliers": "analysis"}.get(job.kind, job.kind): seconds}
+    return {"key": job.key, "kind": job.kind, "stage": stage, "optimizer": optimizer, "size": size,
+            "start": timing["start"], "end": timing["end"], "seconds": seconds, "worker": timing["worker"],
+            "workers": workers, "parts": parts}
+
+
+def append_costs(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line with a single O_APPEND write (whole lines even if several studies log)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(record, allow_nan=False, default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
 def _init_worker(threads: int, parent: int | None = None) -> None:
     import warnings
 
@@ -74,15 +184,15 @@ def _threads(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
-def run_local(jobs: list[Job], workers: int) -> Iterator[tuple[Job, dict[str, Any]]]:
-    """Yield (job, result) as jobs finish."""
+def run_local(jobs: list[Job], workers: int) -> Iterator[tuple[Job, tuple[dict[str, Any], dict[str, Any]]]]:
+    """Yield (job, (result, timing)) as jobs finish, in submission order's priority."""
     if workers <= 1 or len(jobs) <= 1:
         for job in jobs:
-            yield job, run_job(job)
+            yield job, timed_job(job)
         return
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("spawn"),
                              initializer=_init_worker, initargs=(_threads(workers), os.getpid())) as pool:
-        pending = {pool.submit(run_job, job): job for job in jobs}
+        pending = {pool.submit(timed_job, job): job for job in jobs}
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
@@ -96,21 +206,36 @@ def run_submitit(jobs: list[Job], folder: Path, cluster: str | None,
 
     executor = submitit.AutoExecutor(folder=str(folder), cluster=cluster)
     executor.update_parameters(timeout_min=24 * 60, **(slurm or {}))
-    futures = [(job, executor.submit(run_job, job)) for job in jobs]
+    futures = [(job, executor.submit(timed_job, job)) for job in jobs]
     for job, future in futures:
         yield job, future.result()
 
 
 def execute(jobs: list[Job], kind: str, workers: int, folder: Path,
-            on_done: Callable[[Job, dict[str, Any]], None] | None = None) -> dict[str, dict[str, Any]]:
-    """Run `jobs` with the chosen executor; returns key → result."""
+            on_done: Callable[[Job, dict[str, Any]], None] | None = None,
+            costs: Path | None = None) -> dict[str, dict[str, Any]]:
+    """Run `jobs` with the chosen executor; returns key → result. Jobs already done are read, not
+    run; each job that runs is logged to `costs` (default: costs.jsonl beside `folder`, i.e. in the
+    study directory)."""
+    costs = Path(folder).parent / "costs.jsonl" if costs is None else costs
+    results, todo = {}, []
+    for job in jobs:
+        done = done_result(job)
+        if done is None:
+            todo.append(job)
+            continue
+        results[job.key] = done
+        if on_done is not None:
+            on_done(job, done)
+    todo = longest_first(todo)
     if kind == "local":
-        stream = run_local(jobs, workers)
+        stream = run_local(todo, workers)
     else:
-        stream = run_submitit(jobs, folder, "local" if kind == "submitit-local" else None)
-    results = {}
-    for job, result in stream:
+        stream = run_submitit(todo, folder, "local" if kind == "submitit-local" else None)
+    n_workers = workers if kind == "local" else len(todo)
+    for job, (result, timing) in stream:
         results[job.key] = result
+        append_costs(costs, cost_record(job, timing, max(1, min(n_workers, len(todo)))))
         if on_done is not None:
             on_done(job, result)
     return results

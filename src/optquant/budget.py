@@ -1,0 +1,346 @@
+"""The cost and memory of one run, from shapes alone: parameters, tokens, FLOPs, peak memory, GPU-hours.
+
+`run_budget(cfg, plan)` builds the model on the meta device (no memory, no compute) and reads off:
+- parameters N (a tied embedding once) and tokens D = steps × batch × sequence length;
+- training FLOPs 6·N_mm·D + 12·L·d·T·D (PaLM's count, appendix B: N_mm are the matmul weights — the
+  head once, an untied input embedding is a lookup — and 12·L·d·T per token is attention's QKᵀ and AV,
+  forward and backward, over the full T×T matrix as MFU is usually quoted);
+- peak memory: fp32 weights and gradients, the optimizer's state with its real layout
+  (`optimizer_state_bytes`), and the activations saved for backward at the micro-batch;
+- GPU-hours on a named accelerator at its peak dense bf16 FLOP/s times an assumed MFU (both printed).
+
+The optimizer state is computed per parameter with the rules of the code that allocates it (each rule
+below names it), so `state_bytes` of a really built optimizer after a step matches it
+(tests/test_budget.py). Activations are an estimate (see `activation_bytes`); everything else is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from optquant.errors import OptquantError
+from optquant.optim import split_params
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    name: str
+    bf16_flops: float  # peak dense bf16 FLOP/s (no sparsity), from the vendor's data sheet
+    memory: float  # bytes
+
+
+ACCELERATORS = {
+    "h100": Accelerator("H100 SXM 80GB", 989e12, 80e9),
+    "h200": Accelerator("H200 SXM 141GB", 989e12, 141e9),
+    "b200": Accelerator("B200 180GB", 2250e12, 180e9),
+    "a100": Accelerator("A100 SXM 80GB", 312e12, 80e9),
+    "a100-40gb": Accelerator("A100 SXM 40GB", 312e12, 40e9),
+    "l40s": Accelerator("L40S 48GB", 362e12, 48e9),
+    "a10g": Accelerator("A10G 24GB", 70e12, 24e9),
+}
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """`--set plan.gpu=a100 --set plan.mfu=0.35` on `optquant train/study --dry-run`."""
+
+    gpu: str = "h100"
+    mfu: float = 0.4  # model FLOPs utilisation assumed for the GPU-hours
+    gpus_per_run: int = 1  # data-parallel replicas of one run (weights, grads and state replicated)
+
+    def accelerator(self) -> Accelerator:
+        if self.gpu not in ACCELERATORS:
+            raise OptquantError(f"plan.gpu={self.gpu}: choose one of {', '.join(ACCELERATORS)}")
+        if not 0 < self.mfu <= 1:
+            raise OptquantError(f"plan.mfu={self.mfu}: must be in (0, 1]")
+        if self.gpus_per_run < 1:
+            raise OptquantError(f"plan.gpus_per_run={self.gpus_per_run}: must be >= 1")
+        return ACCELERATORS[self.gpu]
+
+
+DEFAULT_PLAN = PlanConfig()
+
+
+def split_plan_overrides(overrides: list[str]) -> tuple[PlanConfig, list[str]]:
+    """(PlanConfig from the `plan.*` overrides, the other overrides)."""
+    from optquant.config import set_field
+
+    plan, rest = PlanConfig(), []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if key.strip().startswith("plan."):
+            if not sep:
+                raise OptquantError(f"--set {item}: expected key=value, e.g. plan.gpu=a100")
+            plan = set_field(plan, key.strip().split(".")[1:], value.strip(), key.strip())
+        else:
+            rest.append(item)
+    plan.accelerator()
+    return plan, rest
+
+
+# ----------------------------------------------------------------------------- optimizer state layouts
+def _shape(p) -> tuple[int, ...]:
+    return tuple(p.shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _adamw(shape, b: int, fused_step: bool = True) -> int:
+    """torch AdamW(fused=True): exp_avg, exp_avg_sq and a 0-d fp32 `step` tensor per parameter."""
+    return 2 * _numel(shape) * b + (4 if fused_step else 0)
+
+
+def _muon(shape, b: int) -> int:
+    """torch.optim.Muon: one momentum buffer per matrix."""
+    return _numel(shape) * b
+
+
+def _scion(shape, b: int) -> int:
+    """pytorch_optimizer.SCION: the momentum `d` per parameter."""
+    return _numel(shape) * b
+
+
+def _kron(shape, b: int, cfg) -> int:
+    """pytorch_optimizer.Kron (`initialize_q_expressions`): a momentum buffer, and per dim a dense n×n
+    factor (the triangular Q, stored full) or, for a size-1 dim, a dim above `max_size_triangular`, a
+    tensor with fewer than `min_ndim_triangular` dims or a diagonal `memory_save_mode` dim, a diagonal n.
+    Factors are fp32 (`precondition_dtype`); a 0-d parameter has one scalar factor."""
+    total = _numel(shape) * b
+    if not shape:
+        return total + 4
+    diag = [False] * len(shape)
+    mode = cfg.memory_save_mode
+    if mode == "one_diag":
+        diag[_np_argmax_last(shape)] = True
+    elif mode == "smart_one_diag":
+        s = sorted(shape)
+        if len(shape) >= 2 and s[-1] > s[-2]:
+            diag[_np_argmax_last(shape)] = True
+    elif mode == "all_diag":
+        diag = [True] * len(shape)
+    for n, d in zip(shape, diag, strict=True):
+        tri = not (n == 1 or n > cfg.max_size_triangular or len(shape) < cfg.min_ndim_triangular or d)
+        total += (n * n if tri else n) * 4
+    return total
+
+
+def _np_argmax_last(shape) -> int:
+    """`np.argsort(shape)[::-1][0]`: numpy's default quicksort is not stable, so ask numpy itself."""
+    import numpy as np
+
+    return int(np.argsort(shape)[::-1][0])
+
+
+def shampoo_blocks(shape: tuple[int, ...], max_dim: int) -> list[tuple[int, ...]]:
+    """The block shapes of `optim.shampoo.block_views`: size-1 dims squeezed, every dim cut into
+    chunks of at most `max_dim`."""
+    squeezed = [d for d in shape if d != 1] or [1]
+    blocks = [tuple(squeezed)]
+    for dim in range(len(squeezed)):
+        out = []
+        for blk in blocks:
+            n, rest = blk[dim], []
+            rest = [max_dim] * (n // max_dim) + ([n % max_dim] if n % max_dim else [])
+            out += [(*blk[:dim], m, *blk[dim + 1:]) for m in rest]
+        blocks = out
+    return blocks
+
+
+def _shampoo(shape, b: int, cfg) -> int:
+    """optim/shampoo.py `Shampoo._init_state`: per block and dim an n×n factor and an n×n root (fp32,
+    none for a squeezed 1-D parameter unless `precondition_1d`), plus the filtered gradient (β1 > 0),
+    Adam's grafting V (grafting="adam") and heavy-ball momentum (momentum > 0), each like the parameter."""
+    squeezed_1d = sum(d != 1 for d in shape) <= 1
+    total = 0
+    if cfg.precondition_1d or not squeezed_1d:
+        total += sum(2 * n * n * b for blk in shampoo_blocks(shape, cfg.max_preconditioner_dim) for n in blk)
+    copies = (cfg.beta1 > 0) + (cfg.grafting == "adam") + (cfg.momentum > 0)
+    return total + copies * _numel(shape) * b
+
+
+def _soap(shape, b: int, cfg) -> int:
+    """pytorch_optimizer.SOAP (`init_pre_conditioner`, `get_orthogonal_matrix`): exp_avg and exp_avg_sq,
+    and per dim of the (optionally merged) shape an n×n factor GG and eigenbasis Q when n ≤
+    `max_precondition_dim` (a 1-D parameter only with `precondition_1d`); larger dims get neither."""
+    from pytorch_optimizer.optimizer.utils.shape import merge_small_dims
+
+    total = 2 * _numel(shape) * b
+    if len(shape) == 1:
+        dims = list(shape) if cfg.precondition_1d else []
+    else:
+        dims = list(merge_small_dims(shape, cfg.max_precondition_dim)) if cfg.merge_dims else list(shape)
+    return total + sum(2 * n * n * b for n in dims if n <= cfg.max_precondition_dim)
+
+
+def optimizer_state_bytes(model: nn.Module, optim: Any) -> int:
+    """Bytes of optimizer state `optim` (an optimizer config) allocates for `model` (any device, meta
+    included), after its first step."""
+    groups = split_params(model)
+    total = 0
+    for group, params in (("embeddings", groups.embeddings), ("vectors", groups.vectors),
+                          ("matrices", groups.matrices)):
+        for p in params:
+            shape, b = _shape(p), p.element_size()
+            if optim.name == "adamw":
+                total += _adamw(shape, b)
+            elif optim.name == "muon":
+                total += _muon(shape, b) if group == "matrices" else _adamw(shape, b)
+            elif optim.name == "scion":
+                total += _scion(shape, b)
+            elif optim.name == "psgd":
+                total += _kron(shape, b, optim)
+            elif optim.name == "shampoo":
+                total += _shampoo(shape, b, optim)
+            elif optim.name == "soap":
+                total += _soap(shape, b, optim)
+            else:
+                raise OptquantError(f"no state layout for optimizer {optim.name!r}")
+    return total
+
+
+# ------------------------------------------------------------------------------------------ activations
+def activation_bytes(cfg, micro: int, bf16: bool) -> int:
+    """Peak activation memory of one micro-batch of `micro` sequences (an estimate).
+
+    Per token and block, the tensors autograd saves for this model, with the coefficients measured by
+    saved-tensor hooks on CPU (tests/test_budget.py checks them within 20 %): fp32 4·(14·d + 2·h) bytes,
+    bf16 autocast 48·d + 6·h (h the MLP width; SwiGLU keeps twice as much per h). SDPA's fused kernels
+    (flash / memory-efficient, used on CUDA and CPU alike) keep no T×T matrix. The head saves the
+    logits (fp32 4·V; bf16 5·V) and the final norm (12–16·d), and the backward briefly adds the fp32
+    gradient of the logits (4·V).
+    """
+    m = cfg.model
+    d, h, L, V = m.d_model, m.mlp_hidden, m.n_layer, m.vocab_size
+    gated = 2 if m.arch == "llama" else 1
+    block = 48 * d + 6 * gated * h if bf16 else 4 * (14 * d + 2 * gated * h)
+    head = 5 * V + 16 * d if bf16 else 4 * V + 12 * d
+    return micro * m.seq_len * (L * block + head + 4 * V)
+
+
+# -------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class RunBudget:
+    n_params: int
+    n_params_non_embedding: int
+    steps: int
+    tokens: int
+    flops: float
+    micro_batch: int
+    weights: int
+    grads: int
+    state: int
+    activations: int
+    gpu_hours: float
+    fits: bool
+    fix: str | None  # the setting that makes it fit, when it does not
+
+    @property
+    def memory(self) -> int:
+        return self.weights + self.grads + self.state + self.activations
+
+    @property
+    def step_seconds(self) -> float:
+        """GPU-seconds of one optimizer step at the assumed MFU (wall seconds on one GPU)."""
+        return self.gpu_hours * 3600 / self.steps
+
+
+def meta_model(cfg) -> nn.Module:
+    """The run's model (QAT layers included) on the meta device: shapes without storage."""
+    from unittest import mock
+
+    from optquant.model import LM
+    from optquant.train import build_model
+
+    # no init on meta: torch's normal_ decomposition costs ~10 ms a tensor there, and shapes need none
+    with torch.device("meta"), mock.patch.object(LM, "reset_parameters", lambda self: None):
+        return build_model(cfg)
+
+
+def training_flops(cfg, n_matmul: int, tokens: int) -> float:
+    m = cfg.model
+    return 6.0 * n_matmul * tokens + 12.0 * m.n_layer * m.d_model * m.seq_len * tokens
+
+
+def run_budget(cfg, plan: PlanConfig = DEFAULT_PLAN, model: nn.Module | None = None) -> RunBudget:
+    """The cost and peak memory of training `cfg` (a RunConfig) as planned by `plan`."""
+    from optquant.model import count_params
+    from optquant.train import total_steps
+
+    acc = plan.accelerator()
+    model = meta_model(cfg) if model is None else model
+    tc = cfg.train
+    if tc.batch_size % (tc.grad_accum * plan.gpus_per_run):
+        raise OptquantError(f"train.batch_size={tc.batch_size} is not divisible by grad_accum×gpus "
+                            f"= {tc.grad_accum}×{plan.gpus_per_run}")
+    n, n_ne = count_params(model), count_params(model, embeddings=False)
+    tied = model.lm_head.weight is model.embed.weight
+    n_matmul = n if tied else n - model.embed.weight.numel()
+    steps = total_steps(cfg, model)
+    tokens = steps * tc.batch_size * cfg.model.seq_len
+    flops = training_flops(cfg, n_matmul, tokens)
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    state = optimizer_state_bytes(model, cfg.optim)
+    bf16 = tc.precision != "fp32"  # auto = bf16 on every GPU with bf16 (the planner's targets)
+    micro = tc.batch_size // (tc.grad_accum * plan.gpus_per_run)
+    acts = activation_bytes(cfg, micro, bf16)
+    fits = weights * 2 + state + acts <= acc.memory
+    hours = flops / (acc.bf16_flops * plan.mfu) / 3600
+    budget = RunBudget(n, n_ne, steps, tokens, flops, micro, weights, weights, state, acts, hours, fits, None)
+    return budget if fits else replace(budget, fix=_fix(cfg, plan, model, budget))
+
+
+def _fix(cfg, plan: PlanConfig, model: nn.Module, b: RunBudget) -> str:
+    """The smallest change that fits: a larger grad_accum (smaller micro-batch), else a lower cap."""
+    acc, tc = plan.accelerator(), cfg.train
+    bf16 = tc.precision != "fp32"
+    fixed = 2 * b.weights + b.state
+    per_gpu = tc.batch_size // plan.gpus_per_run
+    if fixed < acc.memory:
+        for accum in range(tc.grad_accum + 1, per_gpu + 1):
+            if per_gpu % accum == 0 and fixed + activation_bytes(cfg, per_gpu // accum, bf16) <= acc.memory:
+                return f"train.grad_accum={accum} (micro-batch {per_gpu // accum})"
+    caps = {"psgd": "max_size_triangular", "soap": "max_precondition_dim", "shampoo": "max_preconditioner_dim"}
+    key = caps.get(cfg.optim.name)
+    if key is not None:
+        act1 = activation_bytes(cfg, 1, bf16)
+        cap = getattr(cfg.optim, key)
+        while cap > 128:
+            cap //= 2
+            trial = replace(cfg, optim=replace(cfg.optim, **{key: cap}))
+            need = 2 * b.weights + optimizer_state_bytes(model, trial.optim)
+            if need + act1 <= acc.memory:
+                accum = next(a for a in range(tc.grad_accum, per_gpu + 1) if per_gpu % a == 0 and need
+                             + activation_bytes(cfg, per_gpu // a, bf16) <= acc.memory)
+                extra = f" and train.grad_accum={accum}" if accum != tc.grad_accum else ""
+                return f"optim.{key}={cap}{extra}"
+    return f"nothing on one {acc.name}: weights, gradients and optimizer state alone need {gb(fixed)}"
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def budget_lines(cfg, plan: PlanConfig = DEFAULT_PLAN) -> list[str]:
+    """`optquant train --dry-run`: the plan of one run, as printed lines."""
+    acc, b = plan.accelerator(), run_budget(cfg, plan)
+    lines = [
+        f"run {cfg.name} ({cfg.optim.name}, lr {cfg.optim.lr:g}){' + QAT' if cfg.qat else ''}",
+        f"  parameters {b.n_params:,} ({b.n_params_non_embedding:,} non-embedding)",
+        f"  tokens {b.tokens:,} = {b.steps:,} steps × {cfg.train.batch_size} × {cfg.model.seq_len}",
+        f"  training FLOPs {b.flops:.3g} (6·N·D + attention)",
+        f"  peak memory {gb(b.memory)} per GPU at micro-batch {b.micro_batch}: weights {gb(b.weights)}, "
+        f"gradients {gb(b.grads)}, optimizer state {gb(b.state)}, activations ≈ {gb(b.activations)}",
+        f"  {b.gpu_hours:.3g} GPU-hours on {plan.gpus_per_run}× {acc.name} "
+        f"(peak bf16 {acc.bf16_flops / 1e12:g} TFLOP/s, assumed MFU {plan.mfu:g}), "
+        f"{b.step_seconds / plan.gpus_per_run:.3g} s per optimizer step",
+    ]
+    if not b.fits:
+        lines.append(f"  WARNING: needs {gb(b.memory)} > {gb(acc.memory)} of the {acc.name}; fix: {b.fix}")
+    return lines

@@ -1,0 +1,114 @@
+"""`optquant study --dry-run`: a study's jobs per stage and its cost, computed from the StudySpec alone.
+
+The stages are study/plan.py's; the job counts are an estimate, with upper bounds where the study decides
+at run time (`stages`). A Common-Loss run starts from its source run's kept checkpoint of the last
+evaluation before the crossing, so it is costed as `train.eval_every` steps plus an fp32 evaluation
+every `cl_eval_every` steps (an upper bound: it stops at the crossing). PTQ and analysis jobs are a few
+forward passes over evaluation batches and are left out of the GPU-hours (well under 1 % of them at the
+paper's budget). A QAT run is costed as its FP twin: QuEST's quantizers are elementwise work outside
+the 6·N·D count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from optquant.budget import DEFAULT_PLAN, PlanConfig, RunBudget, gb, meta_model, run_budget
+from optquant.config import RunConfig, apply_overrides, run_preset
+from optquant.study.spec import StudySpec, lr_grid
+
+
+def run_config(spec: StudySpec, size: str, opt: str, extra: tuple[str, ...] = ()) -> RunConfig:
+    """One run of the study as its planner builds it (the LR and seed change neither cost nor memory)."""
+    return apply_overrides(run_preset(size), [*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()),
+                                              *extra])
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    jobs: int
+    train_runs: dict[tuple[str, str], float]  # (optimizer, size) → full-budget training runs in the stage
+
+
+def stages(spec: StudySpec) -> list[Stage]:
+    """The study's stages (study/plan.py) with their job counts; upper bounds where it decides at run
+    time: `lr_extensions` rounds of one new LR each (two in the first round of a one-point grid), one
+    refinement, and every FP run finishing (each then gets the sweep PTQ schemes)."""
+    opts, sizes, n_seeds = spec.optimizers, spec.sizes, len(spec.seeds)
+    pairs = [(o, s) for o in opts for s in sizes]
+    sweep = {(o, sizes[0]): sum(len(v) for v in spec.sweeps.get(o, {}).values()) for o in opts}
+    grid = {(o, s): len(lr_grid(spec, o)) for o, s in pairs}
+    ext = {k: spec.lr_extensions + (grid[k] == 1 and spec.lr_extensions > 0) for k in pairs}
+    refine = {k: int(spec.lr_refine) for k in pairs}
+    seeds = {k: n_seeds - 1 for k in pairs}
+    cl = {k: n_seeds for k in pairs}
+    qat = {k: n_seeds * len(spec.qat_bits) for k in pairs}
+    fp_runs = sum(grid.values()) + sum(ext.values()) + sum(refine.values()) + sum(seeds.values())
+    ptq = sum(cl.values()) * len(spec.ptq_schemes) + fp_runs * len(spec.sweep_ptq_schemes)
+    out = [
+        Stage("sweeps (smallest size)", sum(sweep.values()), sweep),
+        Stage("fp sweep (first seed)", sum(grid.values()), grid),
+        Stage(f"fp extensions (≤ {spec.lr_extensions} rounds)", sum(ext.values()), ext),
+        Stage("fp refinement (≤ 1)", sum(refine.values()), refine),
+        Stage("fp seeds (best LR, other seeds)", sum(seeds.values()), seeds),
+        Stage("common loss (from the kept checkpoint)", sum(cl.values()), cl),
+        Stage("ptq + analysis (CL models, FP runs)", ptq, {}),
+        Stage("outliers of every FP run", 0 if spec.sweep_ptq_schemes else fp_runs, {}),
+        Stage("qat", sum(qat.values()), qat),
+    ]
+    return [s for s in out if s.jobs]
+
+
+def cl_fraction(spec: StudySpec, opt: str, size: str, b: RunBudget) -> float:
+    """A Common-Loss run's cost as a fraction of its full run: `eval_every` training steps, and an fp32
+    evaluation (eval_batches micro-batches forward, a third of a step's FLOPs per sequence) every
+    `cl_eval_every` steps."""
+    tc = run_config(spec, size, opt).train
+    steps = min(tc.eval_every, b.steps)
+    evals = steps / max(1, spec.cl_eval_every) * tc.eval_batches * b.micro_batch / (3 * tc.batch_size)
+    return (steps + evals) / b.steps
+
+
+def run_budgets(spec: StudySpec, plan: PlanConfig) -> dict[tuple[str, str], RunBudget]:
+    """(optimizer, size) → the budget of one FP run (the LR does not change cost or memory)."""
+    out = {}
+    for size in spec.sizes:
+        model = None
+        for opt in spec.optimizers:
+            cfg = run_config(spec, size, opt)
+            model = model or meta_model(cfg)
+            out[(opt, size)] = run_budget(cfg, plan, model)
+    return out
+
+
+def study_lines(spec: StudySpec, plan: PlanConfig = DEFAULT_PLAN) -> list[str]:
+    """The dry-run plan of a study, as printed lines."""
+    acc = plan.accelerator()
+    budgets = run_budgets(spec, plan)
+    lines = [f"study {spec.name}: {len(spec.sizes)} sizes × {len(spec.optimizers)} optimizers, "
+             f"{len(spec.seeds)} seed(s), executor {spec.executor}",
+             f"accelerator {acc.name}: peak bf16 {acc.bf16_flops / 1e12:g} TFLOP/s, assumed MFU {plan.mfu:g}, "
+             f"{gb(acc.memory)} per GPU, {plan.gpus_per_run} GPU(s) per run", "",
+             "per run (one FP run; memory per GPU at the micro-batch):",
+             f"  {'size':>6} {'optimizer':9} {'params':>13} {'tokens':>15} {'FLOPs':>9} {'weights':>9} "
+             f"{'grads':>9} {'opt state':>9} {'acts':>9} {'peak':>9} {'GPU-h':>9}"]
+    warnings = []
+    for (opt, size), b in sorted(budgets.items(), key=lambda kv: (spec.sizes.index(kv[0][1]), kv[0][0])):
+        lines.append(f"  {size:>6} {opt:9} {b.n_params:>13,} {b.tokens:>15,} {b.flops:>9.3g} {gb(b.weights):>9} "
+                     f"{gb(b.grads):>9} {gb(b.state):>9} {gb(b.activations):>9} {gb(b.memory):>9} "
+                     f"{b.gpu_hours:>9.3g}")
+        if not b.fits:
+            warnings.append(f"WARNING {size} {opt}: needs {gb(b.memory)} > {gb(acc.memory)}; fix: {b.fix}")
+    lines += ["", "jobs per stage (an estimate; bounds where the study decides at run time):"]
+    total_jobs, total_hours = 0, 0.0
+    for stage in stages(spec):
+        if stage.name.startswith("common loss"):
+            stage = Stage(stage.name, stage.jobs, {k: n * cl_fraction(spec, *k, budgets[k])
+                                                   for k, n in stage.train_runs.items()})
+        hours = sum(n * budgets[k].gpu_hours for k, n in stage.train_runs.items())
+        total_jobs, total_hours = total_jobs + stage.jobs, total_hours + hours
+        lines.append(f"  {stage.name:52} {stage.jobs:>6} jobs" + (f"  {hours:>10,.1f} GPU-h" if hours else ""))
+    lines.append(f"  {'total (upper bound)':52} {total_jobs:>6} jobs  {total_hours:>10,.1f} GPU-h "
+                 f"(training only, at MFU {plan.mfu:g})")
+    return lines + ([""] + warnings if warnings else [])

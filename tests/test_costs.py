@@ -1,0 +1,86 @@
+"""A study that wastes nothing: one load per PTQ job, finished jobs never rerun, longest first, and the
+cost log (costs.jsonl) with the report's cost section built from what the executor really wrote."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+from optquant.analysis import AnalysisConfig, analyze, ptq_eval, scheme_config
+from optquant.config import apply_overrides, to_dict
+from optquant.report.costs import cost_section, read_costs, utilisation
+from optquant.study import executor
+from optquant.study.executor import Job, estimate_cost, execute, longest_first
+from optquant.study.jobs import ptq_job
+from optquant.train import train
+
+
+def _train_job(cfg, root, name: str, *extra: str) -> Job:
+    c = apply_overrides(cfg, list(extra))
+    return Job("train", name, {"config": to_dict(c), "run_dir": str(root / "runs" / name)})
+
+
+def test_longest_first_by_estimated_training_cost(nano_cfg, tmp_path):
+    short = _train_job(nano_cfg, tmp_path, "short", "train.steps=5")
+    long = _train_job(nano_cfg, tmp_path, "long", "train.steps=50")
+    wide = _train_job(nano_cfg, tmp_path, "wide", "train.steps=50", "model.d_model=96")
+    assert estimate_cost(wide) > estimate_cost(long) > estimate_cost(short) > 0
+    assert [j.key for j in longest_first([short, long, wide])] == ["wide", "long", "short"]
+    pinned = Job("train", "pinned", short.args, cost=1e30)  # an explicit cost wins over the estimate
+    assert longest_first([short, long, pinned])[0].key == "pinned"
+
+
+def test_costs_logged_and_finished_jobs_not_rerun(nano_cfg, tmp_path, monkeypatch):
+    jobs = [_train_job(nano_cfg, tmp_path, f"r{i}", "train.steps=6", f"seed={i}") for i in range(2)]
+    qat = _train_job(nano_cfg, tmp_path, "q", "train.steps=6", "qat.method=quest")
+    results = execute([*jobs, qat], "local", 1, tmp_path / "submitit")
+    records = read_costs(tmp_path)
+    assert sorted(r["key"] for r in records) == ["q", "r0", "r1"]
+    by_key = {r["key"]: r for r in records}
+    assert by_key["r0"]["stage"] == "fp" and by_key["q"]["stage"] == "qat"
+    assert by_key["r0"]["optimizer"] == "adamw" and by_key["r0"]["size"] == nano_cfg.name
+    assert all(r["end"] >= r["start"] and r["seconds"] > 0 for r in records)
+    assert set(by_key["q"]["parts"]) == {"qat"} and set(by_key["r0"]["parts"]) == {"training"}
+    # a second submission of finished runs is answered from their files: no worker, no new cost line
+    monkeypatch.setattr(executor, "timed_job", lambda job: pytest.fail(f"{job.key} was rerun"))
+    again = execute([*jobs, qat], "local", 1, tmp_path / "submitit")
+    assert again == results and len(read_costs(tmp_path)) == 3
+
+
+def test_ptq_job_loads_once_and_matches_separate_calls(nano_cfg, tmp_path, monkeypatch):
+    import optquant.analysis as analysis
+
+    cfg = apply_overrides(nano_cfg, ["train.steps=10"])
+    run = tmp_path / "run"
+    train(cfg, run)
+    scheme = scheme_config("w4a4-gptq")
+    loads = []
+    real = analysis.load_run_model
+    monkeypatch.setattr(analysis, "load_run_model", lambda *a, **k: loads.append(1) or real(*a, **k))
+    out = ptq_job(str(run), asdict(scheme), "final", 20)
+    assert len(loads) == 1
+    parts = out.pop("_seconds_by_part")
+    assert set(parts) == {"ptq", "analysis"}
+    # the same numbers as the two parts called on their own (each loading the model itself)
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in ("config.json", "model.safetensors", "summary.json"):
+        (other / f).write_bytes((run / f).read_bytes())
+    acfg = AnalysisConfig(weights="final", mc_items=20)
+    separate = {**ptq_eval(other, scheme, acfg), **analyze(other, scheme, acfg)}
+    assert json.dumps(out, sort_keys=True) == json.dumps(separate, sort_keys=True)
+
+
+def test_cost_section_from_the_executor_log(nano_cfg, tmp_path):
+    jobs = [_train_job(nano_cfg, tmp_path, f"r{i}", "train.steps=4", f"seed={i}") for i in range(2)]
+    execute(jobs, "local", 1, tmp_path / "submitit")
+    records = read_costs(tmp_path)
+    assert 0 < utilisation(records) <= 1.0 + 1e-9
+    section = cost_section(tmp_path)
+    stages, (per_opt, shares) = section.blocks
+    assert stages.rows[0][0] == "fp" and stages.rows[0][1] == "2" and stages.rows[-1][0] == "all"
+    assert per_opt.rows[0][0] == "adamw" and shares.rows[0][0] == "training" and shares.rows[0][2] == "100.0 %"
+    (tmp_path / "costs.jsonl").write_text("")
+    assert "not run" in cost_section(tmp_path).blocks[0].missing
