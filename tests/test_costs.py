@@ -83,4 +83,4 @@ def test_cost_section_from_the_executor_log(nano_cfg, tmp_path):
     assert stages.rows[0][0] == "fp" and stages.rows[0][1] == "2" and stages.rows[-1][0] == "all"
     assert per_opt.rows[0][0] == "adamw" and shares.rows[0][0] == "training" and shares.rows[0][2] == "100.0 %"
     (tmp_path / "costs.jsonl").write_text("")
-    assert "not run" in cost_section(tmp_path).blocks[0].missing
+    assert "no cost log" in cost_section(tmp_path).blocks[0].missing

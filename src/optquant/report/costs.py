@@ -96,8 +96,8 @@ def cost_section(root: Path) -> Section:
     records = read_costs(root)
     intro = "Where the study's wall time went, from costs.jsonl (one line per job the executor ran)."
     if not records:
-        missing = Table("cost-stages", "Wall time per stage", missing="not run in this study: no costs.jsonl "
-                        "(studies before the executor logged costs, or every job was already done)")
+        missing = Table("cost-stages", "Wall time per stage", missing="no cost log: costs.jsonl lists the jobs "
+                        "the executor ran (none here: a study from before the log, or every job was already done)")
         return Section("costs", "Study cost", intro, (missing,))
     return Section("costs", "Study cost", intro,
                    (stage_table(records), (optimizer_table(records), share_table(records))))

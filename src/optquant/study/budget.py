@@ -60,6 +60,10 @@ def stages(spec: StudySpec) -> list[Stage]:
     return [s for s in out if s.jobs]
 
 
+def _hours(h: float) -> str:
+    return f"{h:>10,.1f}" if h >= 1 else f"{h:>10.3g}"
+
+
 def cl_fraction(spec: StudySpec, opt: str, size: str, b: RunBudget) -> float:
     """A Common-Loss run's cost as a fraction of its full run: `eval_every` training steps, and an fp32
     evaluation (eval_batches micro-batches forward, a third of a step's FLOPs per sequence) every
@@ -108,7 +112,7 @@ def study_lines(spec: StudySpec, plan: PlanConfig = DEFAULT_PLAN) -> list[str]:
                                                    for k, n in stage.train_runs.items()})
         hours = sum(n * budgets[k].gpu_hours for k, n in stage.train_runs.items())
         total_jobs, total_hours = total_jobs + stage.jobs, total_hours + hours
-        lines.append(f"  {stage.name:52} {stage.jobs:>6} jobs" + (f"  {hours:>10,.1f} GPU-h" if hours else ""))
-    lines.append(f"  {'total (upper bound)':52} {total_jobs:>6} jobs  {total_hours:>10,.1f} GPU-h "
+        lines.append(f"  {stage.name:52} {stage.jobs:>6} jobs" + (f"  {_hours(hours)} GPU-h" if hours else ""))
+    lines.append(f"  {'total (upper bound)':52} {total_jobs:>6} jobs  {_hours(total_hours)} GPU-h "
                  f"(training only, at MFU {plan.mfu:g})")
     return lines + ([""] + warnings if warnings else [])
