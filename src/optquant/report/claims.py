@@ -262,35 +262,44 @@ def _qat_not_fp(d: StudyData) -> Check:
     return Check(how, ours, verdict(bool(beaten), _sole_best(qat) == best))
 
 
-def _rho_iv(d: StudyData) -> dict[str, tuple[float, float, float]]:
-    per = (d.fits or {}).get("per_optimizer") or {}
-    out = {}
-    for o, f in per.items():
-        rho = fit_rho4(f.get("rho"))
-        lo, hi = fit_interval(f.get("intervals"), "rho_4bit", "rho")
-        if math.isfinite(rho):
-            out[o] = (rho, lo, hi)
-    return out
+def _rho_iv(d: StudyData) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
+    """The headline (joint-fit) ρ_4bit with its interval for every optimizer whose ρ is identified, and
+    the optimizers whose ρ is not (scaling.py's verdict: a bound, too few sizes, or an interval wider
+    than the spread across optimizers). A ρ that is not identified is not evidence either way."""
+    joint = (d.fits or {}).get("joint") or {}
+    reasons = (joint.get("diagnostics") or {}).get("reasons") or {}
+    out, unidentified = {}, []
+    for o, r in (joint.get("rho") or {}).items():
+        rho = fit_rho4(r)
+        if "fit" in reasons or f"rho_4bit/{o}" in reasons or not math.isfinite(rho):
+            unidentified.append(o)
+            continue
+        lo, hi = fit_interval(joint.get("intervals"), f"rho_4bit/{o}")
+        out[o] = (rho, lo, hi)
+    return out, unidentified
 
 
 def _rho_rank(d: StudyData) -> Check:
-    how = ("ρ_4bit order vs the paper's: supported if every adjacent pair in the paper's order has disjoint "
-           "intervals in that order, contradicted if any pair has disjoint intervals in the reverse order")
-    rho = {o: v for o, v in _rho_iv(d).items() if o in RHO_RANKING}
+    how = ("joint-fit ρ_4bit order vs the paper's, over the optimizers whose ρ is identified: supported if "
+           "every adjacent pair in the paper's order has disjoint intervals in that order, contradicted if any "
+           "pair has disjoint intervals in the reverse order")
+    rho, unidentified = _rho_iv(d)
+    rho = {o: v for o, v in rho.items() if o in RHO_RANKING}
+    missing = f"; not identified: {', '.join(d.label(o) for o in unidentified)}" if unidentified else ""
     if len(rho) < 2:
-        return _na(how, "fewer than two fitted optimizers")
+        return Check(how, f"fewer than two identified ρ_4bit{missing}", NOT_RESOLVED)
     order = [o for o in RHO_RANKING if o in rho]
     ours = " > ".join(f"{d.label(o)} {rho[o][0]:.3f} [{rho[o][1]:.3f}, {rho[o][2]:.3f}]"
-                      for o in sorted(rho, key=lambda o: -rho[o][0]))  # fmt: skip
+                      for o in sorted(rho, key=lambda o: -rho[o][0])) + missing  # fmt: skip
     above = {(a, b): rho[a][1] > rho[b][2] for a in rho for b in rho if a != b}  # a's interval above b's
-    ok = all(above[(a, b)] for a, b in zip(order, order[1:], strict=False))
+    ok = all(above[(a, b)] for a, b in zip(order, order[1:], strict=False)) and not unidentified
     bad = any(above[(b, a)] for i, a in enumerate(order) for b in order[i + 1:])
     return Check(how, ours, verdict(ok, bad))
 
 
 def _ptq_qat_link(d: StudyData) -> Check:
     how = "Spearman over optimizers of mean Δ val loss (PTQ, CL models, all sizes) vs ρ_4bit; expected negative"
-    rho, scheme = _rho_iv(d), d.paper_scheme()
+    (rho, _), scheme = _rho_iv(d), d.paper_scheme()
     df = d.seeds("cl", "delta_val_loss", scheme) if scheme else None
     if df is None or df.empty:
         return _na(how, "no PTQ damage rows")
