@@ -45,7 +45,7 @@ import torch
 SAME_DATA_SEED = 4242
 RESUME_STEP = 30
 PROBE_SEED, PROBE_BATCHES = 999, 4
-RUN_FILES = {"config.json", "metrics.jsonl", "model.safetensors", "summary.json"}
+RUN_FILES = {".lock", "config.json", "metrics.jsonl", "model.safetensors", "summary.json"}  # .lock: runs.locked
 ARGS = (
     "--preset nano --quiet --set model.vocab_size=320 --set model.seq_len=32 --set train.batch_size=16 "
     "--set train.steps=60 --set train.eval_every=10 --set train.eval_batches=4 --set train.precision=fp32"

@@ -23,12 +23,13 @@ import optquant
 SRC = Path(optquant.__file__).parent
 LAYERS = [
     {"", "errors"},  # "" = the optquant package itself
-    {"device", "files", "tracking"},
+    {"device", "files", "tracking", "compiled"},
     {"model", "data", "checkpoint", "distributed", "evaluate", "scaling", "stats"},
     {"optim", "quant"},
     {"config", "runs"},
     {"metrics"},
     {"analysis", "train"},
+    {"budget"},
     {"hf", "harness"},
     {"report"},
     {"study"},

@@ -104,7 +104,7 @@ def _study_cmd(corpus, out: Path) -> list[str]:
     return [sys.executable, "-m", "optquant.cli", "study", "--preset", "smoke", "--out", str(out), "--quiet",
             "--set", f"run=data.source={corpus}", "--set", "run=model.vocab_size=320", "--set", "sizes=femto",
             "--set", "optimizers=adamw,muon", "--set", "ptq_schemes=w4a4-gptq-had",
-            "--set", "lrs.adamw=0.001,0.003", "--set", "workers=2"]
+            "--set", "lrs.adamw=0.001,0.003", "--set", "workers=2", "--set", "seeds=0", "--set", "lr_extensions=0"]
 
 
 def test_killed_study_resumes_to_the_same_results(corpus, tmp_path):

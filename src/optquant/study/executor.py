@@ -211,13 +211,14 @@ def run_submitit(jobs: list[Job], folder: Path, cluster: str | None,
         yield job, future.result()
 
 
-def execute(jobs: list[Job], kind: str, workers: int, folder: Path,
+def execute(jobs: list[Job], kind: str, workers: int, folder: Path | None,
             on_done: Callable[[Job, dict[str, Any]], None] | None = None,
             costs: Path | None = None) -> dict[str, dict[str, Any]]:
     """Run `jobs` with the chosen executor; returns key → result. Jobs already done are read, not
     run; each job that runs is logged to `costs` (default: costs.jsonl beside `folder`, i.e. in the
-    study directory)."""
-    costs = Path(folder).parent / "costs.jsonl" if costs is None else costs
+    study directory; no log without either)."""
+    if costs is None and folder is not None:
+        costs = Path(folder).parent / "costs.jsonl"
     results, todo = {}, []
     for job in jobs:
         done = done_result(job)
@@ -235,7 +236,8 @@ def execute(jobs: list[Job], kind: str, workers: int, folder: Path,
     n_workers = workers if kind == "local" else len(todo)
     for job, (result, timing) in stream:
         results[job.key] = result
-        append_costs(costs, cost_record(job, timing, max(1, min(n_workers, len(todo)))))
+        if costs is not None:
+            append_costs(costs, cost_record(job, timing, max(1, min(n_workers, len(todo)))))
         if on_done is not None:
             on_done(job, result)
     return results
