@@ -87,7 +87,7 @@ _CPU_RUN = ("model.vocab_size=1024", "train.batch_size=16", "train.tokens_per_pa
 
 
 def cpu() -> StudySpec:
-    """The default: four sizes from 3.1k to 27.6k non-embedding parameters (an 8.9× span, what the
+    """The default: four sizes from 3.1k to 27.8k non-embedding parameters (an 8.9× span, what the
     scaling fit needs; the absolute size matters less), 20 tokens per non-embedding parameter (Kaplan's N,
     which the fits count too; with a 1024 vocabulary the embedding would otherwise set the budget), three
     seeds for every best-LR, Common-Loss and QAT run."""
