@@ -133,37 +133,31 @@ def _needs_run_dir(args: argparse.Namespace, what: str) -> None:
         raise OptquantError(f"{what}: give a run directory (from optquant train) or --hf PATH")
 
 
-def _ptq(args: argparse.Namespace) -> int:
-    from optquant.analysis import out_dir, ptq_eval
+def _quantized(args: argparse.Namespace, what: str) -> int:
+    """`optquant ptq` (damage: summary.json) or `optquant analyze` (outliers + ABC) of one run or HF model."""
+    from optquant.analysis import analyze, out_dir, ptq_eval
     from optquant.runs import locked
 
     if args.hf is not None:
-        return _hf_quant(args, "ptq")
-    _needs_run_dir(args, "ptq")
+        return _hf_quant(args, what)
+    _needs_run_dir(args, what)
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
     _check_run_dir(args.run_dir)
-    with locked(out_dir(args.run_dir, acfg, qcfg.name), wait=False):
-        result = ptq_eval(args.run_dir, qcfg, acfg)
+    out = out_dir(args.run_dir, acfg, qcfg.name)
+    with locked(out, wait=False):
+        result = (ptq_eval if what == "ptq" else analyze)(args.run_dir, qcfg, acfg)
     print(json.dumps(result, indent=2))
-    print(f"written: {out_dir(args.run_dir, acfg, qcfg.name)}/summary.json")
+    written = "summary.json" if what == "ptq" else "{analysis.json,outliers.parquet,propagation.parquet}"
+    print(f"written: {out}/{written}")
     return 0
+
+
+def _ptq(args: argparse.Namespace) -> int:
+    return _quantized(args, "ptq")
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from optquant.analysis import analyze, out_dir
-    from optquant.runs import locked
-
-    if args.hf is not None:
-        return _hf_quant(args, "analyze")
-    _needs_run_dir(args, "analyze")
-    qcfg, acfg = _ptq_config(args), _analysis_config(args)
-    _check_run_dir(args.run_dir)
-    with locked(out_dir(args.run_dir, acfg, qcfg.name), wait=False):
-        result = analyze(args.run_dir, qcfg, acfg)
-    print(json.dumps(result, indent=2))
-    print(f"written: {out_dir(args.run_dir, acfg, qcfg.name)}/{{analysis.json,outliers.parquet,"
-          "propagation.parquet}")
-    return 0
+    return _quantized(args, "analyze")
 
 
 def _study(args: argparse.Namespace) -> int:
