@@ -136,18 +136,8 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     val = [(x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]) for x, y in
            fixed_batches(data.val, tc.eval_batches, val_batch, cfg.model.seq_len, seed=cfg.seed + 12345)]
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + ctx.rank)
-    state = {"step": 0, "best_val": math.inf, "cl_step": None, "train_time": 0.0, "timed_steps": 0}
     ckpt = run_dir / "checkpoint.safetensors"
-    if ckpt.exists():
-        saved = load_checkpoint(ckpt, model)
-        _load_optimizer_states(ckpt, cfg, optimizers, saved)
-        rngs = saved["rng"] if isinstance(saved["rng"], list) else [saved["rng"]]
-        if len(rngs) != ctx.world_size:
-            raise OptquantError(f"{ckpt} was written by {len(rngs)} process(es); resume it with as many "
-                                f"(torchrun --nproc_per_node={len(rngs)})")
-        set_rng_state(rngs[ctx.rank], gen)
-        state = saved["loop"]
-        log.info("resumed %s at step %d", run_dir.name, state["step"])
+    state = _resume(ckpt, cfg, model, optimizers, gen, ctx)
     if ctx.rank == 0:
         _truncate_metrics(run_dir / "metrics.jsonl", state["step"])
     info = {"n_params": count_params(model), "n_params_non_embedding": count_params(model, False),
@@ -155,9 +145,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     status, diverged_step, reason, last_val = "done", None, None, state.get("last_val")
     bound = tc.diverge_factor * math.log(cfg.model.vocab_size)
     if tc.keep_history and state["step"] == 0 and ctx.rank == 0:  # the start, for a crossing at the first eval
-        save_checkpoint(ckpt, model, {"optimizers": [o.state_dict() for o in optimizers],
-                                      "optimizer": cfg.optim.name, "rng": ctx.gather(rng_state(gen)),
-                                      "loop": state})
+        _save(ckpt, cfg, model, optimizers, ctx.gather(rng_state(gen)), state)
         _keep(ckpt, run_dir, 0)
     model.train()
     while state["step"] < steps:
@@ -166,14 +154,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         for opt in optimizers:
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * mult
-        loss_sum = 0.0
-        for i in range(tc.grad_accum):
-            x, y = get_batch(data.train, micro, cfg.model.seq_len, gen)
-            with ctx.no_sync(ddp_model, last=i == tc.grad_accum - 1), autocast(device, bf16):
-                loss = lm_loss(run_model, x.to(device), y.to(device)) / tc.grad_accum
-            loss.backward()
-            loss_sum += loss.item()
-        loss_sum = ctx.mean(loss_sum)
+        loss_sum = _forward_backward(cfg, ctx, ddp_model, run_model, data.train, micro, gen, bf16)
         if (reason := divergence("train loss", loss_sum, bound)) is not None:
             status, diverged_step = "diverged", step
             break
@@ -208,26 +189,12 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
                     save_weights(run_dir / "cl_model.safetensors", model, {
                         "step": str(state["step"]), "val_loss": repr(last_val), "threshold": repr(threshold)})
                 if regular:
-                    save_checkpoint(ckpt, model, {"optimizers": [o.state_dict() for o in optimizers],
-                                                  "optimizer": cfg.optim.name, "rng": rngs, "loop": state})
+                    _save(ckpt, cfg, model, optimizers, rngs, state)
                     if tc.keep_history:
                         _keep(ckpt, run_dir, state["step"])
             if tc.stop_at_cl and state["cl_step"] is not None:
                 break
-    summary = {
-        "run_id": run_dir.name, "status": status, "diverged_step": diverged_step, "diverged_reason": reason,
-        "steps": state["step"],
-        "final_val_loss": last_val if status == "done" else None,
-        "best_val_loss": state["best_val"] if math.isfinite(state["best_val"]) else None,
-        "cl_threshold": tc.cl_threshold, "cl_step": state["cl_step"],
-        "optimizer": cfg.optim.name, "lr": cfg.optim.lr, "qat": cfg.qat.method if cfg.qat else None,
-        "optimizer_state_bytes": state_bytes(optimizers),
-        "ns_dtype": ns_dtype(optimizers),  # Muon's/Scion's Newton–Schulz: "bf16", "fp32", or None
-        "eigh_retries": sum(getattr(o, "eigh_retries", 0) for o in optimizers),  # Shampoo's fp64 retries
-        "mean_step_seconds": state["train_time"] / max(1, state["timed_steps"]),
-        **info,
-    }
-    summary["tokens_per_s"] = info["tokens_per_step"] / summary["mean_step_seconds"]
+    summary = _summarise(run_dir, cfg, state, optimizers, info, status, diverged_step, reason, last_val)
     if ctx.rank == 0:
         if status == "done":
             save_weights(run_dir / "model.safetensors", model)
@@ -237,6 +204,59 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     tracker.record("summary", state["step"], summary)
     tracker.close()
     dist.teardown(ctx)
+    return summary
+
+
+def _resume(ckpt: Path, cfg: RunConfig, model: nn.Module, optimizers: list, gen: torch.Generator,
+            ctx) -> dict[str, Any]:
+    """The loop state: fresh, or restored with the model, optimizers and every RNG from `ckpt`."""
+    if not ckpt.exists():
+        return {"step": 0, "best_val": math.inf, "cl_step": None, "train_time": 0.0, "timed_steps": 0}
+    saved = load_checkpoint(ckpt, model)
+    _load_optimizer_states(ckpt, cfg, optimizers, saved)
+    rngs = saved["rng"] if isinstance(saved["rng"], list) else [saved["rng"]]
+    if len(rngs) != ctx.world_size:
+        raise OptquantError(f"{ckpt} was written by {len(rngs)} process(es); resume it with as many "
+                            f"(torchrun --nproc_per_node={len(rngs)})")
+    set_rng_state(rngs[ctx.rank], gen)
+    log.info("resumed %s at step %d", ckpt.parent.name, saved["loop"]["step"])
+    return saved["loop"]
+
+
+def _save(ckpt: Path, cfg: RunConfig, model: nn.Module, optimizers: list, rngs: list, state: dict) -> None:
+    save_checkpoint(ckpt, model, {"optimizers": [o.state_dict() for o in optimizers],
+                                  "optimizer": cfg.optim.name, "rng": rngs, "loop": state})
+
+
+def _forward_backward(cfg: RunConfig, ctx, ddp_model: nn.Module, run_model: nn.Module, tokens, micro: int,
+                      gen: torch.Generator, bf16: bool) -> float:
+    """One optimizer step's gradients over grad_accum micro-batches; returns the mean loss over ranks."""
+    device, accum, loss_sum = ctx.device, cfg.train.grad_accum, 0.0
+    for i in range(accum):
+        x, y = get_batch(tokens, micro, cfg.model.seq_len, gen)
+        with ctx.no_sync(ddp_model, last=i == accum - 1), autocast(device, bf16):
+            loss = lm_loss(run_model, x.to(device), y.to(device)) / accum
+        loss.backward()
+        loss_sum += loss.item()
+    return ctx.mean(loss_sum)
+
+
+def _summarise(run_dir: Path, cfg: RunConfig, state: dict, optimizers: list, info: dict, status: str,
+               diverged_step: int | None, reason: str | None, last_val: float | None) -> dict[str, Any]:
+    summary = {
+        "run_id": run_dir.name, "status": status, "diverged_step": diverged_step, "diverged_reason": reason,
+        "steps": state["step"],
+        "final_val_loss": last_val if status == "done" else None,
+        "best_val_loss": state["best_val"] if math.isfinite(state["best_val"]) else None,
+        "cl_threshold": cfg.train.cl_threshold, "cl_step": state["cl_step"],
+        "optimizer": cfg.optim.name, "lr": cfg.optim.lr, "qat": cfg.qat.method if cfg.qat else None,
+        "optimizer_state_bytes": state_bytes(optimizers),
+        "ns_dtype": ns_dtype(optimizers),  # Muon's/Scion's Newton–Schulz: "bf16", "fp32", or None
+        "eigh_retries": sum(getattr(o, "eigh_retries", 0) for o in optimizers),  # Shampoo's fp64 retries
+        "mean_step_seconds": state["train_time"] / max(1, state["timed_steps"]),
+        **info,
+    }
+    summary["tokens_per_s"] = info["tokens_per_step"] / summary["mean_step_seconds"]
     return summary
 
 
