@@ -75,6 +75,7 @@ def test_study_end_to_end_with_sweep(corpus, tmp_path):
             assert at["val_loss"] <= summary["cl_threshold"] < before["val_loss"]
     qat = df[(df.kind == "qat") & (df.metric == "qat_rel_degradation_pct")]
     assert len(qat) == 2 * 2 * 2 and qat.value.notna().all()
+    assert set(qat.bits) == {4} and set(qat["size"]) == set(spec.sizes)  # carried as data, not parsed from names
     # every LR search ends with a status; only bracketed ones are unflagged
     best = json.loads((tmp_path / "study" / "best.json").read_text())
     assert {b["status"] for b in best.values()} <= {"bracketed", "diverged", "cap", "no-converged-lr"}

@@ -226,12 +226,16 @@ def ptq_job(path: Path, scheme: str, weights: str, mc_items: int) -> Job:
                                                          "weights": weights, "mc_items": mc_items})
 
 
-def qat_stage(study: Study, tuned: dict, table: dict) -> dict[str, dict]:
+def qat_stage(study: Study, tuned: dict, table: dict) -> dict[str, tuple[str, dict]]:
+    """QuEST QAT at each best LR, for every seed and bit width; run id → (size, summary)."""
     spec = study.spec
-    cfgs = [fp_config(spec, key, row["best"], seed, tuned, ("qat.method=quest", f"qat.w_bits={b}", f"qat.a_bits={b}"))
-            for key, row in table.items() if row["best"] is not None and math.isfinite(row["best_loss"])
-            for seed in spec.seeds for b in spec.qat_bits]
-    return study.run("qat", train_jobs(study, cfgs))
+    cfgs = {run_dir(study.runs, cfg).name: (key[1], cfg) for key, row in table.items()
+            if row["best"] is not None and math.isfinite(row["best_loss"])
+            for seed in spec.seeds for b in spec.qat_bits
+            for cfg in [fp_config(spec, key, row["best"], seed, tuned,
+                                  ("qat.method=quest", f"qat.w_bits={b}", f"qat.a_bits={b}"))]}
+    results = study.run("qat", train_jobs(study, [cfg for _, cfg in cfgs.values()]))
+    return {run_id: (size, results[run_id]) for run_id, (size, _) in cfgs.items()}
 
 
 def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Path:

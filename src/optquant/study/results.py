@@ -85,11 +85,10 @@ def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> p
                 rows += _rows(base, "none", _fp_side(damage, metrics), ("val_loss", "mc_acc", "mc_acc_norm",
                                                                         *OUTLIER_METRICS))
             rows += _rows(base, scheme, _q_side(damage, metrics), PTQ_METRICS)
-    for run_id, s in qat.items():
+    for run_id, (size, s) in qat.items():
         run = study.runs / run_id
         cfg = read_config(run)
-        size = cfg.name.rsplit("-", 1)[-1] if "-" in cfg.name else cfg.name
-        base = _base(run, s, "qat", size, True)
+        base = {**_base(run, s, "qat", size, True), "bits": cfg.qat.w_bits}
         scheme = f"{cfg.qat.method}-w{cfg.qat.w_bits}a{cfg.qat.a_bits}"
         rows += _rows(base, scheme, s, ("final_val_loss", "qat_rel_degradation_pct", *TIMING))
     df = pd.DataFrame(rows)
@@ -187,9 +186,12 @@ def _fit_n(df: pd.DataFrame) -> tuple[pd.Series, str]:
 
 def fits(df: pd.DataFrame, interval: str = "bootstrap") -> dict[str, Any]:
     rows = df[(df.kind.isin(["fp", "qat"])) & (df.metric == "final_val_loss") & ((df.kind == "qat") | df.best_lr)]
+    if (rows.kind == "qat").any() and "bits" not in rows:
+        raise OptquantError("results.parquet has QAT rows without a bits column (written before optquant "
+                            "recorded it): rerun optquant study in that directory to rewrite it")
     n, n_count = _fit_n(rows)
     points = [ScalingPoint(r.optimizer, float(r.n_fit), float(r.value), quantized=r.kind == "qat",
-                           bits=int(r.scheme.split("w")[1].split("a")[0]) if r.kind == "qat" else 4,
+                           bits=int(r.bits) if r.kind == "qat" else 4,
                            seed=None if pd.isna(r.seed) else int(r.seed))
               for r in rows.assign(n_fit=n).itertuples() if math.isfinite(r.value)]
     out: dict[str, Any] = {"per_optimizer": {}, "joint": None, "errors": {}, "headline": "joint",
