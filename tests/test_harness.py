@@ -1,6 +1,10 @@
 """The real LM-Evaluation-Harness through our adapter: a local multiple-choice task (a task YAML over a
 jsonl the test writes from its corpus) runs end to end via `optquant eval`, and its acc and acc_norm
-must equal the built-in scorer's (continuation_logliks + mc_scores) on the very same items."""
+must equal the built-in scorer's (continuation_logliks + mc_scores) on the very same items.
+
+In a study (`eval.tasks`, `eval.include_path`): `ptq_eval` scores the FP model and its quantized copy with
+lm-eval (equal to the built-in scorer on each), and a smallest-scale study carries those scores into
+results.parquet and the report's Table 3c, Table 3 and claims, labelled with the task's name."""
 
 import json
 import random
@@ -12,9 +16,14 @@ from optquant.cli import main
 
 pytest.importorskip("lm_eval", reason="needs the eval extra: pip install 'optquant[eval]'")
 
-from optquant.analysis import load_run_model  # noqa: E402
+from optquant.analysis import AnalysisConfig, covers, load_run_model, ptq_eval  # noqa: E402
 from optquant.data import load_tokens  # noqa: E402
 from optquant.evaluate import MCItem, continuation_logliks, mc_scores  # noqa: E402
+from optquant.harness import HarnessConfig, check_harness  # noqa: E402
+from optquant.metrics.propagation import ptq_pair  # noqa: E402
+from optquant.quant.ptq import PTQConfig  # noqa: E402
+
+LOCAL = "optquant_local_mc"
 
 TASK = """task: optquant_local_mc
 dataset_path: json
@@ -74,6 +83,16 @@ def builtin_scores(model, tokenizer, eot_id: int, items: list[dict]) -> tuple[fl
 
 
 @pytest.fixture
+def local_task(corpus, tmp_path) -> tuple:
+    """(a folder holding the local task's YAML, its items): what a user points eval.include_path at."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    items = write_items(corpus, tmp_path / "items.jsonl")
+    (tasks / f"{LOCAL}.yaml").write_text(TASK.format(jsonl=tmp_path / "items.jsonl"))
+    return tasks, items
+
+
+@pytest.fixture
 def trained_run(nano_cfg, tmp_path):
     from optquant.runs import run_dir
     from optquant.train import train
@@ -99,3 +118,79 @@ def test_lm_eval_local_task_equals_builtin_scorer(trained_run, corpus, tmp_path,
     assert got["acc"] == pytest.approx(acc, abs=1e-12) and got["acc_norm"] == pytest.approx(acc_norm, abs=1e-12)
     assert acc != acc_norm or acc > 0.25  # the items discriminate (a trained model beats chance or norms differ)
     assert "optquant_local_mc" in capsys.readouterr().out
+
+
+def test_ptq_eval_scores_fp_and_quantized_with_lm_eval(trained_run, local_task):
+    """The study's PTQ job with eval tasks: lm-eval's acc/acc_norm of the FP model and of its W4A4 copy, each
+    equal to the built-in scorer on that model; the built-in task is not run; the result covers its request."""
+    tasks, items = local_task
+    acfg = AnalysisConfig(mc_items=0, harness=check_harness(HarnessConfig(tasks=(LOCAL,), include_path=str(tasks))))
+    got = ptq_eval(trained_run, PTQConfig(), acfg)
+    cfg, model = load_run_model(trained_run)
+    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    for side, m in zip(("fp", "q"), ptq_pair(model, PTQConfig()), strict=True):
+        acc, acc_norm = builtin_scores(m, data.tokenizer, data.eot_id, items)
+        r = got["tasks"][LOCAL][side]
+        assert (r["acc"], r["acc_norm"], r["n"]) == (pytest.approx(acc, abs=1e-12), pytest.approx(acc_norm, abs=1e-12),
+                                                     len(items))
+    assert "mc_acc_fp" not in got and list(got["harness"]["tasks"]) == [LOCAL]
+    assert covers(got, acfg)
+    assert not covers(got, AnalysisConfig(mc_items=0, harness=HarnessConfig(tasks=(LOCAL,), limit=5)))
+    assert not covers(got, AnalysisConfig(mc_items=0, harness=HarnessConfig(tasks=(LOCAL, "other"))))
+
+
+def _cell_value(cell: str) -> float:
+    """The mean of a seed-table cell, '12.50 (n=1)' or '+0.00 ± ...'."""
+    return float(cell.split()[0])
+
+
+def test_study_with_a_local_lm_eval_task_reports_its_accuracy(corpus, local_task, tmp_path, capsys):
+    """`optquant study --set eval.tasks=... --set eval.include_path=DIR` at the smallest scale (one size, two
+    optimizers, one LR and seed each, RTN only, no QAT): every CL model's FP and quantized lm-eval scores land
+    in results.parquet, and the report's Table 3c / Table 3 cells and claims show exactly those, by task name."""
+    from optquant.cli import main
+    from optquant.files import read_parquet
+    from optquant.report import report_markdown
+    from optquant.report.claims import check_claims
+    from optquant.report.load import load_study
+    from optquant.report.tables import table3, task_table
+
+    tasks, _ = local_task
+    root = tmp_path / "study"
+    sets = [f"run=data.source={corpus}", "run=model.vocab_size=320", "sizes=femto", "optimizers=adamw,muon",
+            "seeds=0", "lrs.adamw=0.003", "lrs.muon=0.02", "lr_extensions=0", "lr_refine=false",
+            "ptq_schemes=w4a4-rtn", "sweep_ptq_schemes=", "qat_bits=", "workers=1", f"eval.tasks={LOCAL}",
+            f"eval.include_path={tasks}"]
+    assert main(["study", "--preset", "smoke", "--out", str(root), "--quiet",
+                 *[a for s in sets for a in ("--set", s)]]) == 0
+    df = read_parquet(root / "results.parquet")
+    cl = df[df.kind == "cl"]
+    assert not cl.metric.str.startswith("mc_").any()  # lm-eval instead of the built-in task
+    fp = cl[(cl.metric == f"acc_norm/{LOCAL}") & (cl.scheme == "none")].set_index("optimizer")["value"]
+    q = cl[(cl.metric == f"acc_norm/{LOCAL}") & (cl.scheme == "w4a4-rtn")].set_index("optimizer")["value"]
+    delta = cl[cl.metric == f"delta_acc_norm/{LOCAL}"].set_index("optimizer")["value"]
+    assert sorted(fp.index) == sorted(q.index) == sorted(delta.index) == ["adamw", "muon"]
+    assert delta.to_dict() == pytest.approx((q - fp).to_dict(), abs=1e-12)
+    for r in cl.drop_duplicates("run_id").itertuples():  # the very numbers lm-eval wrote for each CL model
+        summary = json.loads((root / "runs" / r.run_id / "ptq" / "cl" / "w4a4-rtn" / "summary.json").read_text())
+        assert summary["tasks"][LOCAL]["fp"]["acc_norm"] == fp[r.optimizer]
+        assert summary["tasks"][LOCAL]["q"]["acc_norm"] == q[r.optimizer]
+
+    d = load_study(root)
+    assert d.tasks() == (LOCAL,)
+    t = task_table(d, LOCAL, "w4a4-rtn")
+    assert LOCAL in t.title and "w4a4-rtn" in t.title and not t.missing
+    rows = {r[1]: r for r in t.rows if not r[0].startswith("pooled")}
+    for opt, label in (("adamw", "AdamW"), ("muon", "Muon")):
+        assert _cell_value(rows[label][2]) == pytest.approx(100 * fp[opt], abs=0.005)
+        assert _cell_value(rows[label][4]) == pytest.approx(100 * q[opt], abs=0.005)
+        assert _cell_value(rows[label][6]) == pytest.approx(100 * delta[opt], abs=0.005)
+    t3 = table3(d, "w4a4-rtn")
+    j = t3.columns.index(f"Δ acc_norm % ({LOCAL}) mean ± sd [95 % CI] (n)")
+    assert {r[1]: _cell_value(r[j]) for r in t3.rows if not r[0].startswith("pooled")} == pytest.approx(
+        {"AdamW": 100 * delta["adamw"], "Muon": 100 * delta["muon"]}, abs=0.005)
+    claims = check_claims(d)
+    assert LOCAL in claims["ptq_least_acc"][1].how and LOCAL in claims["ptq_most_acc"][1].how
+    md = report_markdown(root)
+    assert t.title in md and f"Δ acc_norm % ({LOCAL})" in md
+    assert f"lm-eval tasks: {LOCAL}" in (root / "report" / "index.html").read_text()

@@ -48,6 +48,12 @@ def test_bad_study_overrides():
         apply_study_overrides(StudySpec(), ["optimizers=adamw,sgd"])
     with pytest.raises(OptquantError, match="unknown field"):
         apply_study_overrides(StudySpec(), ["sizez=nano"])
+    with pytest.raises(OptquantError, match=r"eval.include_path=.*/nowhere: no such directory"):
+        apply_study_overrides(StudySpec(), ["eval.tasks=mytask", "eval.include_path=/nowhere"])
+    with pytest.raises(OptquantError, match="eval.tasks is empty"):
+        apply_study_overrides(StudySpec(), [f"eval.include_path={Path(__file__).parent}"])
+    with pytest.raises(OptquantError, match="eval.limit=-1"):
+        apply_study_overrides(StudySpec(), ["eval.limit=-1"])
 
 
 def test_study_end_to_end_with_sweep(corpus, tmp_path):

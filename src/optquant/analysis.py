@@ -2,8 +2,9 @@
 
 `ptq_eval` quantizes a copy of a run's model (final or Common-Loss weights) and measures the damage
 on the very tokens the run validated on: validation loss and the built-in multiple-choice accuracy,
-FP and quantized. `analyze` measures the FP model's outliers (MMR, kurtosis, kurtRMS per layer) and
-the ABC error propagation between the FP model and its quantized copy, per module.
+FP and quantized (with `AnalysisConfig.harness` tasks, lm-eval's acc and acc_norm on them instead).
+`analyze` measures the FP model's outliers (MMR, kurtosis, kurtRMS per layer) and the ABC error
+propagation between the FP model and its quantized copy, per module.
 
 Both evaluate in fp32 (no autocast), so the measured damage is the quantizer's and not bf16's.
 GPTQ calibrates on sequences from the *train* split; outliers and ABC use the first validation
@@ -28,6 +29,7 @@ from optquant.config import RunConfig
 from optquant.data import fixed_batches, load_tokens
 from optquant.errors import OptquantError
 from optquant.evaluate import MCConfig, mc_eval, val_loss
+from optquant.harness import HarnessConfig
 from optquant.metrics.outliers import aggregate, outlier_metrics
 from optquant.metrics.propagation import PropagationConfig, propagation, ptq_pair
 from optquant.model import LM
@@ -48,6 +50,7 @@ class AnalysisConfig:
     calib_batches: int = 2  # validation batches for outliers and ABC
     gptq_sequences: int = 64  # train-split sequences for GPTQ's Hessians
     granularity: Literal["sublayer", "linear"] = "linear"  # ABC rows: sublayers, or also each linear
+    harness: HarnessConfig = HarnessConfig()  # lm-eval tasks to score FP and quantized on (none = skip)
 
 
 def scheme_config(name: str) -> PTQConfig:
@@ -148,8 +151,33 @@ def ptq_eval_model(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out_pa
     out["delta_val_loss"] = out["val_loss_q"] - out["val_loss_fp"]
     if acfg.mc_items:
         out["delta_acc_norm"] = out["mc_acc_norm_q"] - out["mc_acc_norm_fp"]
+    if acfg.harness.tasks:
+        out["harness"] = dataclasses.asdict(acfg.harness)
+        out["tasks"] = harness_scores(fp, q, data, acfg.harness)
     atomic_write_json(out_path / "summary.json", out)
     return out
+
+
+def harness_scores(fp: nn.Module, q: nn.Module, data, h: HarnessConfig) -> dict[str, dict[str, dict]]:
+    """{task: {"fp": {acc, acc_stderr, acc_norm, acc_norm_stderr, n}, "q": {...}}} from lm-eval, zero-shot,
+    scored with the run's own tokenizer."""
+    from optquant.harness import lm_eval_tasks
+
+    scores = {tag: lm_eval_tasks(m, data.tokenizer, data.eot_id, list(h.tasks), include_path=h.include_path or None,
+                                 limit=h.limit or None) for tag, m in (("fp", fp), ("q", q))}
+    return {t: {tag: scores[tag][t] for tag in scores} for t in h.tasks}
+
+
+def covers(summary: dict[str, Any] | None, acfg: AnalysisConfig) -> bool:
+    """Whether a PTQ summary.json already holds what `acfg` asks for (the built-in task, the lm-eval tasks
+    at the same item limit); a study redoes one that does not."""
+    if summary is None:
+        return False
+    if acfg.mc_items and "mc_acc_fp" not in summary:
+        return False
+    h = acfg.harness
+    done = summary.get("harness") or {}
+    return not h.tasks or (set(h.tasks) <= set(summary.get("tasks") or {}) and done.get("limit") == h.limit)
 
 
 def analyze(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig(),

@@ -7,16 +7,48 @@ whole string as lm-eval does). Nothing downloads: the harness runs offline (HF_D
 HF_HUB_OFFLINE=1), so task data must already be in the local Hugging Face cache, or the task must be a
 local one (`--include-path DIR` of task YAMLs, e.g. over a jsonl file). Each task reports acc and
 acc_norm (acc_norm: log-likelihood per character of the choice) with lm-eval's standard errors and n.
+
+A study scores its Common-Loss models on such tasks instead of the built-in one with `--set eval.tasks=...`
+(`HarnessConfig`, StudySpec.eval): FP and quantized, under every PTQ scheme (optquant.analysis).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from optquant.errors import OptquantError
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """lm-eval tasks to score models on (a study's `eval.*` settings); no tasks = the built-in task."""
+
+    tasks: tuple[str, ...] = ()  # lm-eval task names, e.g. piqa,hellaswag,arc_easy (the paper's)
+    include_path: str = ""  # a folder of local task YAMLs ("" = lm-eval's own tasks only)
+    limit: int = 0  # items per task (0 = all of them)
+
+
+def check_harness(cfg: HarnessConfig) -> HarnessConfig:
+    """The cheap checks, before anything trains: lm-eval installed, the task folder present (made absolute,
+    so worker processes find it), a sane limit. Task names are checked by `task_manager`."""
+    if cfg.limit < 0:
+        raise OptquantError(f"eval.limit={cfg.limit}: must be >= 0 (0 = every item)")
+    if cfg.include_path:
+        path = Path(cfg.include_path).expanduser().resolve()
+        if not path.is_dir():
+            raise OptquantError(f"eval.include_path={cfg.include_path}: no such directory (a folder of lm-eval "
+                                "task YAMLs)")
+        if not cfg.tasks:
+            raise OptquantError("eval.include_path is set but eval.tasks is empty: name the task(s) to run")
+        cfg = replace(cfg, include_path=str(path))
+    if cfg.tasks:
+        require_lm_eval()
+    return cfg
 
 
 def require_lm_eval():
@@ -48,29 +80,46 @@ def load_model(run_dir: Path | None, hf: Path | None, weights: str = "final", se
     return model, data.tokenizer, data.eot_id
 
 
-def lm_eval_tasks(model, tokenizer, eot_id: int, tasks: list[str], *, include_path: Path | None = None,
-                  limit: int | None = None) -> dict[str, dict[str, Any]]:
-    """{task: {acc, acc_stderr, acc_norm, acc_norm_stderr, n}} from lm_eval.simple_evaluate, zero-shot."""
-    lm_eval = require_lm_eval()
+@functools.cache  # indexing lm-eval's ~15k built-in tasks takes half a minute: once per process
+def task_manager(tasks: tuple[str, ...], include_path: str | None):
+    """An lm_eval TaskManager that knows every one of `tasks` (offline), or one clear error."""
+    require_lm_eval()
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lm_eval.tasks import TaskManager
 
-    from optquant.evaluate import lm_eval_adapter
-
-    manager = None
-    if include_path:  # indexing lm-eval's ~15k built-in tasks takes half a minute: skip it when not needed
-        manager = TaskManager(include_path=str(include_path), include_defaults=False)
-        if not all(t in manager.all_tasks for t in tasks):
-            manager = None
-    manager = manager or TaskManager(include_path=str(include_path) if include_path else None)
+    if include_path:  # only the local folder when it holds every task: no indexing of the built-in ones
+        manager = TaskManager(include_path=include_path, include_defaults=False)
+        if all(t in manager.all_tasks for t in tasks):
+            return manager
+    manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        raise OptquantError(f"lm-eval knows no task {', '.join(unknown)} (a local task needs --include-path DIR)")
+        raise OptquantError(f"lm-eval knows no task {', '.join(unknown)} (a local task needs --include-path DIR "
+                            "or, in a study, eval.include_path=DIR)")
+    return manager
+
+
+def lm_eval_tasks(model, tokenizer, eot_id: int, tasks: list[str], *, include_path: Path | None = None,
+                  limit: int | None = None) -> dict[str, dict[str, Any]]:
+    """{task: {acc, acc_stderr, acc_norm, acc_norm_stderr, n}}, zero-shot.
+
+    Runs what `lm_eval.simple_evaluate` runs, `TaskManager.load` then `lm_eval.evaluator.evaluate`, without its
+    extras: seeding the global RNGs (zero-shot scoring draws nothing, and a study's worker keeps its own state)
+    and collecting the environment (torch's collect_env: ~2.4 s per call here, and a study calls this twice per
+    Common-Loss model and scheme)."""
+    require_lm_eval()
+    from lm_eval.evaluator import evaluate
+
+    from optquant.evaluate import lm_eval_adapter
+
+    manager = task_manager(tuple(tasks), str(include_path) if include_path else None)
     adapter = lm_eval_adapter(model, tokenizer, eot_id=eot_id)
     try:
-        res = lm_eval.simple_evaluate(model=adapter, tasks=list(tasks), num_fewshot=0, batch_size=1,
-                                      limit=limit, task_manager=manager, bootstrap_iters=1000)
+        loaded = manager.load(list(tasks))
+        for task in loaded["tasks"].values():
+            task.set_config(key="num_fewshot", value=0)
+        res = evaluate(lm=adapter, task_dict=loaded, limit=limit, bootstrap_iters=1000, log_samples=False)
     except (ConnectionError, FileNotFoundError, ValueError) as e:
         raise OptquantError(f"lm-eval could not run {', '.join(tasks)} offline ({str(e).splitlines()[0]}); "
                             "the task data must be in the local Hugging Face cache") from None

@@ -36,6 +36,7 @@ from optquant.report.tables import (
     table4,
     table10,
     table10_joint,
+    task_tables,
     to_markdown,
 )
 
@@ -46,9 +47,10 @@ log = logging.getLogger(__name__)
 CAVEAT = (
     "Read the comparison with the paper as qualitative. The paper trains 50M–1.5B-parameter OLMo2 models on "
     "ClimbMix and scores zero-shot accuracy (PIQA, HellaSwag, ARC-Easy); this study's models are far smaller "
-    "and its main score is validation loss (lower is better), with a small built-in multiple-choice task "
-    "where present. Cells labelled “paper” are the paper's reported numbers (reference/paper.md §10), shown "
-    "for orientation only. Δ always means quantized − full precision."
+    "and its main score is validation loss (lower is better), with a small built-in multiple-choice task, or "
+    "the lm-eval tasks the study names (eval.tasks, Table 3c), where present. Cells labelled “paper” are the "
+    "paper's reported numbers (reference/paper.md §10), shown for orientation only. Δ always means quantized − "
+    "full precision."
 )
 
 
@@ -76,7 +78,8 @@ def _ptq_sections(d: StudyData, fig_dir: Path) -> list[Section]:
         "paper-corr", "Fig. 1 correlations at 760M (vs post-PTQ accuracy)", paper.CORRELATIONS_760M,
         paper.CORRELATIONS_SOURCES, "ρ",
     )  # fmt: skip
-    ptq = ((table3(d, scheme), paper_table(paper.TABLE3_PTQ_ACC, "paper-t3")), table3_schemes(d), *other, cl_table(d))
+    ptq = ((table3(d, scheme), paper_table(paper.TABLE3_PTQ_ACC, "paper-t3")), *task_tables(d, scheme),
+           table3_schemes(d), *other, cl_table(d))
     other_corr = tuple(correlation_table(d, s) for s in d.schemes("cl") if s != scheme)
     outliers = (
         (correlation_table(d, scheme), corr_paper),
@@ -130,10 +133,11 @@ def _header(d: StudyData) -> str:
     sizes = ", ".join(f"{s} ({fmt_count(d.n_params.get(s))})" for s in d.sizes) or "none"
     opts = ", ".join(d.label(o) for o in d.optimizers) or "none"
     schemes = ", ".join(d.schemes("cl")) or "none"
+    tasks = ", ".join(t for t in d.tasks() if t != "avg") or "none (the built-in multiple-choice task)"
     return (
         f'<p class="meta">Study directory: <code>{escape(str(d.root))}</code> · runs by kind: {kinds} · '
         f"sizes (parameters): {escape(sizes)} · optimizers: {escape(opts)} · PTQ schemes: "
-        f'{escape(schemes)}</p>\n<div class="caveat">{escape(CAVEAT)}</div>'
+        f'{escape(schemes)} · lm-eval tasks: {escape(tasks)}</p>\n<div class="caveat">{escape(CAVEAT)}</div>'
     )
 
 
@@ -158,13 +162,13 @@ def render_report(study_dir: str | Path) -> Path:
 def headline_tables(d: StudyData) -> list:
     """The tables the README pastes, in order; the HTML page shows the same `Table` objects."""
     scheme = d.paper_scheme() or "w4a4-rtn"
-    return [table2(d), lr_status_table(d), table3(d, scheme), table3_schemes(d), table4(d), outlier_table(d),
-            correlation_table(d, scheme), cl_table(d), table10(d), table10_joint(d), fit_diagnostics_table(d),
-            claims_table(d)]
+    return [table2(d), lr_status_table(d), table3(d, scheme), *task_tables(d, scheme), table3_schemes(d), table4(d),
+            outlier_table(d), correlation_table(d, scheme), cl_table(d), table10(d), table10_joint(d),
+            fit_diagnostics_table(d), claims_table(d)]
 
 
 def report_markdown(study_dir: str | Path) -> str:
-    """The headline tables (2, LR status, 3, 3b, 4, MMR/R_L, correlations, CL, 10) and the claims as markdown."""
+    """The headline tables (2, LR status, 3, 3c, 3b, 4, MMR/R_L, correlations, CL, 10) and the claims as markdown."""
     d = load_study(study_dir)
     tables = headline_tables(d)
     head = f"## optquant study {d.spec.get('name') or d.root.name}\n\n_{CAVEAT}_\n"

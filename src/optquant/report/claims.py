@@ -1,7 +1,8 @@
 """The paper's qualitative claims, each judged against this study's numbers with its uncertainty.
 
 Each check is computed from the same files as the tables (paper.md §1, §6.2, §7.4–7.5, §10). Our PTQ damage
-is Δ val loss (quantized − FP, lower = more robust) where the paper uses the accuracy drop. A verdict is
+is Δ val loss (quantized − FP, lower = more robust) where the paper uses the accuracy drop; a study that ran
+lm-eval tasks (`eval.tasks`) also judges the two PTQ claims on that drop, Δ acc_norm. A verdict is
 "supported" or "contradicted" only when the data resolve it, otherwise "not resolved at this scale", and
 every verdict names its p-value or interval (optquant.stats):
 
@@ -135,6 +136,17 @@ def _ptq(d: StudyData, lower: bool, target: str) -> Check:
         return _na(how, "no PTQ rows")
     return _best_of(d, _ranking(d, "cl", "delta_val_loss", scheme, lower_is_better=lower), target, how,
                     "Δ val loss rows")  # fmt: skip
+
+
+def _ptq_acc(d: StudyData, least: bool, target: str, task: str) -> Check:
+    """The paper's own measure: the drop in zero-shot acc_norm on lm-eval `task` (higher Δ = more robust)."""
+    scheme = d.paper_scheme()
+    how = _rank_how(f"Δ acc_norm on {d.task_label(task)} (lm-eval) under {scheme} of the CL models, "
+                    f"{d.label(target)} {'smallest drop' if least else 'largest drop'}")  # fmt: skip
+    if scheme is None:
+        return _na(how, "no PTQ rows")
+    return _best_of(d, _ranking(d, "cl", f"delta_acc_norm/{task}", scheme, lower_is_better=not least), target,
+                    how, "Δ acc_norm rows")  # fmt: skip
 
 
 def _corr_rows(d: StudyData, size: str) -> dict | None:
@@ -341,8 +353,20 @@ _CHECKS: dict[str, Callable[[StudyData], Check]] = {
 }
 
 
+_ACC_CHECKS = {"ptq_least": (True, "shampoo"), "ptq_most": (False, "muon")}  # judged on accuracy too
+
+
 def check_claims(d: StudyData) -> dict[str, tuple[Claim, Check]]:
-    return {c.key: (c, _CHECKS[c.key](d)) for c in CLAIMS}
+    """Every claim's check; with lm-eval tasks, the PTQ claims once more on the accuracy drop (their mean
+    with several tasks), right after their Δ val loss versions."""
+    task = next(iter(d.tasks()), None)
+    out = {}
+    for c in CLAIMS:
+        out[c.key] = (c, _CHECKS[c.key](d))
+        if task is not None and c.key in _ACC_CHECKS:
+            acc = Claim(f"{c.key}_acc", f"{c.text} (accuracy drop, the paper's measure)", c.sources)
+            out[acc.key] = (acc, _ptq_acc(d, *_ACC_CHECKS[c.key], task))
+    return out
 
 
 def claims_table(d: StudyData) -> Table:

@@ -102,6 +102,20 @@ class StudyData:
         s = set(self.results.loc[self.results["kind"] == kind, "scheme"]) - {"none"}
         return tuple(sorted(s, key=lambda x: (x != PAPER_SCHEME, x)))
 
+    def tasks(self) -> tuple[str, ...]:
+        """The lm-eval tasks the study scored its Common-Loss models on (`acc_norm/<task>` rows), with
+        "avg" (their mean, the paper's number) first when there are several."""
+        r = self.results
+        metrics = r.loc[r["kind"] == "cl", "metric"].astype(str)
+        names = {m.split("/", 1)[1] for m in metrics if m.startswith("acc_norm/")}
+        return tuple(sorted(names, key=lambda t: (t != "avg", t)))
+
+    def task_label(self, task: str) -> str:
+        """A task's name for captions; "avg" spelled out with the tasks it averages."""
+        if task != "avg":
+            return task
+        return "mean of " + ", ".join(t for t in self.tasks() if t != "avg")
+
     def paper_scheme(self) -> str | None:
         """W4A4 RTN if the study ran it, else the first PTQ scheme (None without PTQ)."""
         s = self.schemes("cl")

@@ -4,7 +4,8 @@ A `Table` holds formatted cells, so the HTML page and the markdown summary print
 table's caption names the file and the rows it was made from; a table with nothing to show carries a
 `missing` reason instead of rows. Our quantity is validation loss (lower is better) where the paper's is
 average zero-shot accuracy (higher is better); the paper's own numbers are separate tables built by
-`paper_table` and styled apart (paper.md §10).
+`paper_table` and styled apart (paper.md §10). A study that ran lm-eval tasks (`eval.tasks`) also gets
+accuracy as the paper reports it: Table 3c, zero-shot acc_norm in % of the CL models before and after PTQ.
 
 Every headline number is mean ± sd [95 % t-interval] (n seeds) and every ranking is a ranking with ties
 from paired sign-flip tests (optquant.stats): per size over seeds, and pooled over sizes as blocks.
@@ -67,6 +68,7 @@ class Quantity:
     lower_is_better: bool = True
     digits: int = 4
     signed: bool = False
+    scale: float = 1.0  # shown as value × scale (100: a fraction as %)
 
 
 def _ranks(df: pd.DataFrame, q: Quantity) -> tuple[dict[str, Ranking], Ranking | None]:
@@ -119,7 +121,7 @@ def seed_table(d: StudyData, key: str, title: str, quantities: Sequence[Quantity
             f = frames[q.label]
             v = f.loc[(f["size"] == s) & (f["optimizer"] == o), "value"]
             r = ranks.get(q.label, ({}, None))[0].get(s)
-            row += [summarize(v).text(q.digits, q.signed), r.label(o) if r and o in r.rank else "–"]
+            row += [summarize(v * q.scale).text(q.digits, q.signed), r.label(o) if r and o in r.rank else "–"]
             if r and r.rank.get(o) == 1 and not r.tied(o):
                 bold.add((len(rows), 2 + 2 * j))
         rows.append(tuple(row))
@@ -160,10 +162,42 @@ def table2(d: StudyData) -> Table:
 def table3(d: StudyData, scheme: str) -> Table:
     title = f"Table 3 — Common-Loss models under PTQ scheme {scheme}: Δ validation loss"
     qs = [Quantity("Δ val loss", "cl", "delta_val_loss", scheme, signed=True)]
+    src = f"kind=cl, scheme={scheme}, Δ = quantized − FP of each CL model (one per seed)"
     if d.has("cl", "delta_acc_norm"):
         qs.append(Quantity("Δ acc_norm", "cl", "delta_acc_norm", scheme, lower_is_better=False, signed=True))
-    src = f"kind=cl, scheme={scheme}, Δ = quantized − FP of each CL model (one per seed)"
+    elif d.tasks():  # the lm-eval tasks' accuracy drop (their mean, with several), in points
+        task = d.tasks()[0]
+        qs.append(Quantity(f"Δ acc_norm % ({d.task_label(task)})", "cl", f"delta_acc_norm/{task}", scheme,
+                           lower_is_better=False, digits=2, signed=True, scale=100))
+        src += f"; Δ acc_norm: lm-eval zero-shot, metric delta_acc_norm/{task} × 100"
     return seed_table(d, f"table3-{scheme}", title, qs, src)
+
+
+def task_table(d: StudyData, task: str, scheme: str) -> Table:
+    """Table 3c: zero-shot accuracy (lm-eval acc_norm, %) of the CL models in FP and after PTQ `scheme`,
+    and its change, as the paper reports PTQ (its Table 3 is post-PTQ accuracy)."""
+    label = d.task_label(task)
+    title = f"Table 3c — zero-shot accuracy on {label} (lm-eval acc_norm, %) before and after {scheme}"
+    acc = {"lower_is_better": False, "digits": 2, "scale": 100.0}
+    qs = [Quantity("acc_norm FP", "cl", f"acc_norm/{task}", "none", **acc),
+          Quantity(f"acc_norm {scheme}", "cl", f"acc_norm/{task}", scheme, **acc),
+          Quantity("Δ acc_norm", "cl", f"delta_acc_norm/{task}", scheme, signed=True, **acc)]
+    parts = [t for t in d.tasks() if t != "avg"] if task == "avg" else [task]
+    items = ", ".join(f"{t}: {_items(d, t)}" for t in parts)
+    src = (f"kind=cl, metric acc_norm/{task} (scheme=none: the FP model; scheme={scheme}: its quantized copy) and "
+           f"delta_acc_norm/{task} = quantized − FP, all × 100; lm-eval zero-shot, items per model {items}; "
+           f"unnormalised accuracy: acc/{task}")
+    return seed_table(d, f"table3c-{task}", title, qs, src)
+
+
+def task_tables(d: StudyData, scheme: str) -> list[Table]:
+    """One Table 3c per lm-eval task the study ran ("avg" first); none without tasks."""
+    return [task_table(d, t, scheme) for t in d.tasks()]
+
+
+def _items(d: StudyData, task: str) -> str:
+    n = d.rows("cl", f"n/{task}")["value"]
+    return "–" if n.empty else "/".join(f"{v:.0f}" for v in sorted(set(n)))
 
 
 def table3_schemes(d: StudyData) -> Table:

@@ -10,8 +10,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from optquant.analysis import AnalysisConfig, LoadedRun, analyze, fp_outliers, out_dir, ptq_eval, read_result
+from optquant.analysis import (
+    AnalysisConfig,
+    LoadedRun,
+    analyze,
+    covers,
+    fp_outliers,
+    out_dir,
+    ptq_eval,
+    read_result,
+)
 from optquant.config import from_dict
+from optquant.harness import HarnessConfig
 from optquant.quant.ptq import PTQConfig
 from optquant.runs import locked
 from optquant.train import train
@@ -24,18 +34,21 @@ def train_job(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
         return train(from_dict(config), Path(run_dir))
 
 
-def ptq_job(run_dir: str, ptq: dict[str, Any], weights: str, mc_items: int) -> dict[str, Any]:
-    """PTQ damage + outliers + ABC for one (model, scheme); reuses what an earlier attempt wrote.
+def ptq_job(run_dir: str, ptq: dict[str, Any], weights: str, mc_items: int,
+            harness: dict[str, Any] | None = None) -> dict[str, Any]:
+    """PTQ damage + outliers + ABC for one (model, scheme); reuses what an earlier attempt wrote (if it
+    covers the evaluations asked for). `harness`: lm-eval tasks (HarnessConfig as a dict) to score on.
     The model, its tokens and the quantized copy are loaded/built once for both parts. The result's
     `TIMING_KEY` entry (seconds of each part) is for the executor's cost log, which removes it."""
-    qcfg, acfg = PTQConfig(**ptq), AnalysisConfig(weights=weights, mc_items=mc_items)
+    h = HarnessConfig(**{**(harness or {}), "tasks": tuple((harness or {}).get("tasks", ()))})
+    qcfg, acfg = PTQConfig(**ptq), AnalysisConfig(weights=weights, mc_items=mc_items, harness=h)
     path = Path(run_dir)
     run: LoadedRun | None = None
     parts = {}
     with locked(out_dir(path, acfg, qcfg.name)):
         t = time.perf_counter()
         damage = read_result(path, acfg, qcfg.name, "summary.json")
-        if damage is None:
+        if not covers(damage, acfg):
             run = LoadedRun(path, acfg.weights)
             damage = ptq_eval(path, qcfg, acfg, run)
         parts["ptq"] = time.perf_counter() - t

@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from optquant.analysis import scheme_config
-from optquant.checkpoint import atomic_write_json, atomic_write_text
+from optquant.analysis import AnalysisConfig, covers, out_dir, scheme_config
+from optquant.checkpoint import atomic_write_json, atomic_write_text, read_json
 from optquant.config import RunConfig, apply_overrides, run_preset, to_dict
+from optquant.harness import HarnessConfig, task_manager
 from optquant.runs import read_config, read_metrics, run_dir
 from optquant.study.bracket import bracket, extensions, refinement
 from optquant.study.executor import Job, execute
@@ -208,11 +209,17 @@ def prune_history(study: Study) -> None:
 
 
 def ptq_stage(study: Study, cl_paths: dict[tuple, Path], table: dict) -> dict[str, dict]:
-    """Every PTQ scheme on every CL model (with the built-in MC task); the sweep schemes, outliers and ABC
-    on the final model of every finished FP run (val loss only), for correlations within each size."""
+    """Every PTQ scheme on every CL model (with the built-in MC task, or the lm-eval tasks of `eval.tasks`);
+    the sweep schemes, outliers and ABC on the final model of every finished FP run (val loss only), for
+    correlations within each size."""
     spec = study.spec
-    mc = 200 if spec.name != "smoke" else 20
-    jobs = [ptq_job(path, scheme, "cl", mc) for path in cl_paths.values() for scheme in spec.ptq_schemes]
+    mc = 0 if spec.eval.tasks else 200 if spec.name != "smoke" else 20
+    jobs = [ptq_job(path, scheme, "cl", mc, spec.eval) for path in cl_paths.values() for scheme in spec.ptq_schemes]
+    acfg = AnalysisConfig(weights="cl", mc_items=mc, harness=spec.eval)
+    for path, scheme in [(p, s) for p in cl_paths.values() for s in spec.ptq_schemes]:
+        summary = out_dir(path, acfg, scheme) / "summary.json"  # one written before eval.* changed: redo it
+        if summary.exists() and not covers(read_json(summary), acfg):
+            summary.unlink()
     finished = [study.runs / s["run_id"] for row in table.values() for sums in row["lrs"].values() for s in sums
                 if s.get("status") == "done"]
     jobs += [ptq_job(path, scheme, "final", 0) for path in finished for scheme in spec.sweep_ptq_schemes]
@@ -221,9 +228,11 @@ def ptq_stage(study: Study, cl_paths: dict[tuple, Path], table: dict) -> dict[st
     return study.run("ptq + analysis", jobs)
 
 
-def ptq_job(path: Path, scheme: str, weights: str, mc_items: int) -> Job:
-    return Job("ptq", f"{path.name}/{weights}/{scheme}", {"run_dir": str(path), "ptq": asdict(scheme_config(scheme)),
-                                                         "weights": weights, "mc_items": mc_items})
+def ptq_job(path: Path, scheme: str, weights: str, mc_items: int, harness: HarnessConfig | None = None) -> Job:
+    args = {"run_dir": str(path), "ptq": asdict(scheme_config(scheme)), "weights": weights, "mc_items": mc_items}
+    if harness is not None and harness.tasks:
+        args["harness"] = asdict(harness)
+    return Job("ptq", f"{path.name}/{weights}/{scheme}", args)
 
 
 def qat_stage(study: Study, tuned: dict, table: dict) -> dict[str, tuple[str, dict]]:
@@ -245,6 +254,8 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
 
     study = Study(spec, Path(root), on_event)
     study.root.mkdir(parents=True, exist_ok=True)
+    if spec.eval.tasks:  # unknown task names fail now, not after the training
+        task_manager(spec.eval.tasks, spec.eval.include_path or None)
     atomic_write_json(study.root / "study.json", {"spec": asdict(spec), "sizes": _sizes(spec)})
     tuned = sweep_stage(study)
     table = fp_stage(study, tuned)

@@ -11,6 +11,11 @@ when the budget does (the `cpu` preset: Kaplan's N, since a 1024-word embedding 
 the small models) and the total otherwise. fits.json names it ("n_count") and names the joint fit (shared
 α and E) as the headline ρ ("headline": "joint"); every fit carries its diagnostics and its
 identified / not-identified verdict (optquant.scaling).
+
+A study with lm-eval tasks (`eval.tasks`) adds, per Common-Loss model, `acc/<task>`, `acc_norm/<task>` and
+`n/<task>` (items) of the FP model (scheme "none") and `acc/<task>`, `acc_norm/<task>`, `delta_acc/<task>`,
+`delta_acc_norm/<task>` per PTQ scheme; with several tasks also their mean as task "avg" (the paper's
+number: acc_norm averaged over PIQA, HellaSwag and ARC-Easy).
 """
 
 from __future__ import annotations
@@ -81,10 +86,13 @@ def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> p
         for scheme in study.spec.ptq_schemes:
             damage = read_result(run, acfg, scheme, "summary.json") or {}
             metrics = read_result(run, acfg, scheme, "analysis.json") or {}
+            tasks_fp, tasks_q = task_scores(damage, "fp"), task_scores(damage, "q")
             if scheme == study.spec.ptq_schemes[0]:  # FP numbers of the CL model, once
                 rows += _rows(base, "none", _fp_side(damage, metrics), ("val_loss", "mc_acc", "mc_acc_norm",
                                                                         *OUTLIER_METRICS))
+                rows += _rows(base, "none", tasks_fp, tasks_fp)
             rows += _rows(base, scheme, _q_side(damage, metrics), PTQ_METRICS)
+            rows += _rows(base, scheme, tasks_q, tasks_q)
     for run_id, (size, s) in qat.items():
         run = study.runs / run_id
         cfg = read_config(run)
@@ -94,6 +102,28 @@ def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> p
     df = pd.DataFrame(rows)
     return df.sort_values(["kind", "size", "optimizer", "lr", "seed", "scheme", "metric"], kind="stable",
                           ignore_index=True) if len(df) else df
+
+
+def task_scores(damage: dict, side: str) -> dict[str, float]:
+    """A PTQ summary's lm-eval scores of one side ("fp" or "q") as flat metrics (see the module docstring);
+    a metric a task does not report is left out, and out of the average."""
+    tasks = damage.get("tasks") or {}
+    out: dict[str, float] = {}
+    names = ("acc", "acc_norm", *(("delta_acc", "delta_acc_norm") if side == "q" else ()))
+    for task, r in tasks.items():
+        fp, own = r.get("fp") or {}, r.get(side) or {}
+        for m in ("acc", "acc_norm"):
+            if own.get(m) is not None:
+                out[f"{m}/{task}"] = float(own[m])
+                if side == "q" and fp.get(m) is not None:
+                    out[f"delta_{m}/{task}"] = float(own[m]) - float(fp[m])
+        if side == "fp" and own.get("n") is not None:
+            out[f"n/{task}"] = float(own["n"])
+    for m in names if len(tasks) > 1 else ():
+        values = [out.get(f"{m}/{t}") for t in tasks]
+        if all(v is not None for v in values):
+            out[f"{m}/avg"] = float(np.mean(values))
+    return out
 
 
 def _fp_side(damage: dict, metrics: dict) -> dict:

@@ -11,7 +11,10 @@ refined once (study/bracket.py). The LR search uses the first seed; the best LR'
 model and its QAT run are repeated for every seed in `seeds`, which is what the report's intervals and
 paired tests are computed over. `sweeps` are the paper's sequential one-dimensional sweeps of other
 hyperparameters at the smallest size (e.g. `{"muon": {"optim.momentum": (0.9, 0.95, 0.98)}}`); the best
-value of each hyperparameter is kept for the next one and for every size.
+value of each hyperparameter is kept for the next one and for every size. `eval` names lm-eval tasks
+(optquant.harness, needs optquant[eval] and the task data offline) that score the Common-Loss models, FP and
+quantized, instead of the built-in multiple-choice task: `eval.tasks=piqa,hellaswag,arc_easy`, or a local
+task with `eval.include_path=DIR` (a folder of task YAMLs).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any, Literal
 
 from optquant.config import parse_value, set_field
 from optquant.errors import OptquantError
+from optquant.harness import HarnessConfig, check_harness
 from optquant.optim import OPTIMIZERS, is_optimizer, optimizer_config
 from optquant.study.bracket import round_lr
 
@@ -50,6 +54,7 @@ class StudySpec:
     workers: int = 2  # local worker processes; threads are split evenly between them
     executor: Literal["local", "slurm", "submitit-local"] = "local"
     fit_interval: Literal["bootstrap", "loo", "none"] = "bootstrap"  # scaling-fit uncertainty
+    eval: HarnessConfig = field(default_factory=HarnessConfig)  # lm-eval tasks instead of the built-in one
 
 
 def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
@@ -123,7 +128,7 @@ def study_preset(name: str) -> StudySpec:
 
 def apply_study_overrides(spec: StudySpec, overrides: list[str]) -> StudySpec:
     """`sizes=nano,micro`, `optimizers=adamw,muon`, `lrs.muon=0.01,0.02`, `run=train.steps=50`
-    (appends a run override), `sweeps.muon.optim.momentum=0.9,0.95`."""
+    (appends a run override), `sweeps.muon.optim.momentum=0.9,0.95`, `eval.tasks=piqa,arc_easy`."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
@@ -139,7 +144,8 @@ def apply_study_overrides(spec: StudySpec, overrides: list[str]) -> StudySpec:
             values = tuple(v.strip() for v in value.split(",") if v.strip())
             spec = replace(spec, sweeps={**spec.sweeps, opt: {**spec.sweeps.get(opt, {}), param: values}})
         else:
-            spec = set_field(spec, [key], value, key)
+            spec = set_field(spec, key.split("."), value, key)
+    spec = replace(spec, eval=check_harness(spec.eval))
     for opt in spec.optimizers:
         _known_optimizer(opt, "optimizers")
     return spec
