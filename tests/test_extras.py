@@ -37,3 +37,7 @@ def test_cli_reports_a_missing_extra_in_one_line(nothing_installed, tmp_path, ca
     assert main(["analyze", "--hf", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "optquant[hf]" in err
+    # a study with lm-eval tasks stops before it trains anything
+    assert main(["study", "--preset", "smoke", "--set", "eval.tasks=piqa", "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "optquant[eval]" in err and not (tmp_path / "s").exists()
