@@ -252,10 +252,10 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
     from optquant.report import render_report
     from optquant.study.results import write_results
 
+    if spec.eval.tasks:  # unknown task names fail now, before anything is written or trained
+        task_manager(spec.eval.tasks, spec.eval.include_path or None)
     study = Study(spec, Path(root), on_event)
     study.root.mkdir(parents=True, exist_ok=True)
-    if spec.eval.tasks:  # unknown task names fail now, not after the training
-        task_manager(spec.eval.tasks, spec.eval.include_path or None)
     atomic_write_json(study.root / "study.json", {"spec": asdict(spec), "sizes": _sizes(spec)})
     tuned = sweep_stage(study)
     table = fp_stage(study, tuned)
