@@ -25,7 +25,6 @@ from optquant.evaluate import (
     MCConfig,
     build_mc_items,
     continuation_logliks,
-    lm_eval_accuracy,
     lm_eval_adapter,
     mc_accuracy,
     mc_eval,
@@ -183,8 +182,6 @@ def test_lm_eval_missing_raises(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval.api.model", None)
     with pytest.raises(OptquantError, match="lm-eval is not installed"):
         lm_eval_adapter(Uniform(), None, eot_id=EOT)
-    with pytest.raises(OptquantError, match="lm-eval is not installed"):
-        lm_eval_accuracy(Uniform(), None, eot_id=EOT)
 
 
 def test_lm_eval_adapter_with_stub_harness(monkeypatch, val, tokenizer):

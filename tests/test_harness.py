@@ -18,7 +18,7 @@ pytest.importorskip("lm_eval", reason="needs the eval extra: pip install 'optqua
 
 from optquant.analysis import AnalysisConfig, covers, load_run_model, ptq_eval  # noqa: E402
 from optquant.data import load_tokens  # noqa: E402
-from optquant.evaluate import MCItem, continuation_logliks, mc_scores  # noqa: E402
+from optquant.evaluate import MCItem, continuation_logliks, lm_eval_adapter, mc_scores  # noqa: E402
 from optquant.harness import HarnessConfig, check_harness  # noqa: E402
 from optquant.metrics.propagation import ptq_pair  # noqa: E402
 from optquant.quant.ptq import PTQConfig  # noqa: E402
@@ -118,6 +118,15 @@ def test_lm_eval_local_task_equals_builtin_scorer(trained_run, corpus, tmp_path,
     assert got["acc"] == pytest.approx(acc, abs=1e-12) and got["acc_norm"] == pytest.approx(acc_norm, abs=1e-12)
     assert acc != acc_norm or acc > 0.25  # the items discriminate (a trained model beats chance or norms differ)
     assert "optquant_local_mc" in capsys.readouterr().out
+    # lm-eval's own entry point through our adapter gives the same scores as `optquant eval`'s direct call
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    res = lm_eval.simple_evaluate(model=lm_eval_adapter(model, data.tokenizer, eot_id=data.eot_id),
+                                  tasks=["optquant_local_mc"], task_manager=TaskManager(include_path=str(tasks)),
+                                  num_fewshot=0, batch_size=1, bootstrap_iters=0)
+    r = res["results"]["optquant_local_mc"]
+    assert r["acc,none"] == got["acc"] and r["acc_norm,none"] == got["acc_norm"]
 
 
 def test_ptq_eval_scores_fp_and_quantized_with_lm_eval(trained_run, local_task):

@@ -9,8 +9,8 @@ acc_norm = argmax of that log-likelihood divided by the continuation's length in
 `completion_len = len(choice)` on the string; `length="bytes"` or `"tokens"` switch the unit). Ties go
 to the first choice, as with np.argmax.
 
-`lm_eval_accuracy` runs the real harness for users who have lm-eval and the task data locally; lm-eval
-is imported only there. Left out on purpose: few-shot prompts, generation tasks, and batching in the
+`lm_eval_adapter` wraps a model for the real harness (run by `harness.lm_eval_tasks`); lm-eval is
+imported only there. Left out on purpose: few-shot prompts, generation tasks, and batching in the
 adapter (the authors' wrapper also uses batch size 1).
 """
 
@@ -219,7 +219,6 @@ def mc_eval(model: nn.Module, data, cfg: MCConfig = MCConfig(), **kw) -> MCResul
 
 # ---- optional: LM-Evaluation-Harness (pip install 'optquant[eval]') ----
 
-PAPER_TASKS = ("piqa", "hellaswag", "arc_easy")
 
 
 def _loglik(model: nn.Module, tokenizer, eot_id: int, context: str, continuation: str) -> tuple[float, bool]:
@@ -260,19 +259,3 @@ def lm_eval_adapter(model: nn.Module, tokenizer, *, eot_id: int):
             raise NotImplementedError("optquant's lm-eval adapter scores multiple-choice tasks only")
 
     return Adapter()
-
-
-def lm_eval_accuracy(
-    model: nn.Module, tokenizer, *, eot_id: int, tasks: Sequence[str] = PAPER_TASKS, limit: int | None = None
-) -> dict[str, float]:
-    """Zero-shot acc_norm per task and their mean ("avg"), the paper's accuracy. The task datasets
-    must already be in the local Hugging Face cache (set HF_DATASETS_OFFLINE=1)."""
-    adapter = lm_eval_adapter(model, tokenizer, eot_id=eot_id)
-    import lm_eval
-
-    res = lm_eval.simple_evaluate(
-        model=adapter, tasks=list(tasks), num_fewshot=0, batch_size=1, bootstrap_iters=100, limit=limit
-    )
-    accs = {t: float(res["results"][t]["acc_norm,none"]) for t in tasks}
-    accs["avg"] = float(np.mean(list(accs.values())))
-    return accs
