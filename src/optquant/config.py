@@ -66,6 +66,7 @@ class RunConfig:
     qat: QATConfig | None = None  # quantization-aware training from scratch when set
     seed: int = 0
     log: LogConfig = field(default_factory=LogConfig)  # experiment tracking; not part of the config hash
+    preset: str = ""  # the size preset it was built from (a study's size): a label, not part of the hash
 
 
 # Run presets: a model size and the batch settings that suit it. The budget follows from
@@ -88,16 +89,17 @@ def run_preset(name: str) -> RunConfig:
     """A RunConfig for a size preset (`nano`, `micro`, `tiny`, `small`, `50m`, ..., `1.5b`)."""
     if name not in RUN_PRESETS:
         raise OptquantError(f"unknown preset {name!r}; choose one of {', '.join(RUN_PRESETS)}")
-    cfg = RunConfig(name=name, model=model_config(name))
+    cfg = RunConfig(name=name, model=model_config(name), preset=name)
     return apply_overrides(cfg, [f"{k}={v}" for k, v in RUN_PRESETS[name].items()])
 
 
 def config_hash(cfg: Any) -> str:
-    """The run id's hash. Left out: `log` (where a run is logged) and `train.compile` (how it executes)
-    are not which run it is, and run ids from before those settings existed stay valid."""
+    """The run id's hash. Left out: `log` (where a run is logged), `preset` (a label) and `train.compile`
+    (how it executes) are not which run it is, and run ids from before those settings existed stay valid."""
     data = to_dict(cfg)
     if isinstance(cfg, RunConfig):
         data.pop("log", None)
+        data.pop("preset", None)
     if isinstance(data.get("train"), dict):
         data["train"].pop("compile", None)
     return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]

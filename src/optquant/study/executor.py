@@ -142,7 +142,7 @@ def cost_record(job: Job, timing: dict[str, Any], workers: int) -> dict[str, Any
     stage, optimizer, size = job.kind, None, None
     try:
         cfg = _run_config(job)
-        optimizer, size = cfg.optim.name, cfg.name.rsplit("-", 1)[-1]
+        optimizer, size = cfg.optim.name, cfg.preset or None  # None: a run from before configs had it
         if job.kind == "train":
             stage = "qat" if cfg.qat is not None else "cl" if cfg.train.cl_threshold is not None else "fp"
     except Exception:
