@@ -258,6 +258,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_fields(cfg, "", "")
     if not _NAME.fullmatch(cfg.name):
         raise OptquantError(f"name={cfg.name!r}: use letters, digits and . _ + - (it names the run directory)")
+    if cfg.preset and not _NAME.fullmatch(cfg.preset):
+        raise OptquantError(f"preset={cfg.preset!r}: use letters, digits and . _ + - (it labels the run's size)")
     tc = cfg.train
     if tc.batch_size % tc.grad_accum:
         raise OptquantError(f"train.batch_size={tc.batch_size} is not divisible by train.grad_accum={tc.grad_accum}")
