@@ -56,7 +56,7 @@ def test_toml_then_overrides(tmp_path):
     assert cfg.model.d_model == 64 and cfg.seed == 3 and cfg.train.steps == 7
     assert cfg.optim.name == "muon" and cfg.optim.lr == 0.02
     (tmp_path / "bad.toml").write_text("[optim\n")
-    with pytest.raises(OptquantError, match="invalid TOML"):
+    with pytest.raises(OptquantError, match="not valid TOML"):
         resolve(None, tmp_path / "bad.toml", [])
     with pytest.raises(OptquantError, match="not found"):
         resolve(None, tmp_path / "missing.toml", [])

@@ -23,11 +23,12 @@ import pandas as pd
 import torch
 from torch import nn
 
-from optquant.checkpoint import atomic_write, atomic_write_json, load_weights, read_json
+from optquant.checkpoint import atomic_write, atomic_write_json, load_weights
 from optquant.config import RunConfig
 from optquant.data import fixed_batches, load_tokens
 from optquant.errors import OptquantError
 from optquant.evaluate import MCConfig, mc_eval, val_loss
+from optquant.files import read_json
 from optquant.metrics.outliers import aggregate, outlier_metrics
 from optquant.metrics.propagation import PropagationConfig, propagation, ptq_pair
 from optquant.model import LM

@@ -132,19 +132,6 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, text + "\n")
 
 
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise OptquantError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise OptquantError(f"{path}: is a directory, not a JSON file") from None
-    except UnicodeDecodeError as e:
-        raise OptquantError(f"{path}: not valid JSON (not UTF-8: {e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise OptquantError(f"{path}: not valid JSON ({e})") from None
-
-
 def _flatten(obj: Any, tensors: dict[str, Tensor]) -> Any:
     """Replace every tensor in a nested structure by a reference; keep key types and tuples."""
     if isinstance(obj, Tensor):

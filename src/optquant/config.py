@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from optquant.data import DataConfig
 from optquant.errors import OptquantError
+from optquant.files import read_text
 from optquant.model import MODEL_PRESETS, ModelConfig, model_config
 from optquant.optim import OPTIMIZERS, AdamWConfig, optimizer_config, optimizer_config_class
 from optquant.optim.plugin import PluginConfig, safe_name
@@ -332,15 +333,9 @@ def _flatten_toml(table: dict, prefix: str = "") -> list[str]:
 def load_toml(path: Path) -> tuple[str | None, list[str]]:
     """(preset, overrides) from a TOML run file."""
     try:
-        table = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise OptquantError(f"{path}: config file not found") from None
-    except IsADirectoryError:
-        raise OptquantError(f"{path}: is a directory, not a TOML file") from None
-    except UnicodeDecodeError as e:
-        raise OptquantError(f"{path}: invalid TOML (not UTF-8: {e.reason} at byte {e.start})") from None
+        table = tomllib.loads(read_text(path, "TOML"))
     except tomllib.TOMLDecodeError as e:
-        raise OptquantError(f"{path}: invalid TOML ({e})") from None
+        raise OptquantError(f"{path}: not valid TOML ({e})") from None
     preset = table.pop("preset", None)
     if preset is not None and not isinstance(preset, str):
         raise OptquantError(f"{path}: preset must be a string, got {preset!r}")

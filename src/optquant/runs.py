@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 import optquant
-from optquant.checkpoint import atomic_write_json, read_json
+from optquant.checkpoint import atomic_write_json
 from optquant.config import RunConfig, from_dict, run_id, to_dict
 from optquant.errors import OptquantError
-from optquant.files import parse_metrics
+from optquant.files import parse_metrics, read_json
 
 
 @functools.lru_cache(maxsize=1)

@@ -82,7 +82,8 @@ def timed_job(job: Job) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def done_result(job: Job) -> dict[str, Any] | None:
     """The result of a job whose outputs already exist (read from its files), else None."""
-    from optquant.analysis import AnalysisConfig, read_json, read_result
+    from optquant.analysis import AnalysisConfig, read_result
+    from optquant.files import read_json
     from optquant.runs import read_summary
 
     if job.kind == "train":
