@@ -25,9 +25,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from optquant.errors import OptquantError
 from optquant.optim.groups import ParamGroups, closure_loss, dense_params
-from optquant.optim.newton_schulz import DTYPES, newton_schulz_many, resolve_ns_dtype
+from optquant.optim.newton_schulz import DTYPES, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
 
 
 def momentum_direction(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
@@ -48,12 +47,8 @@ class Muon(torch.optim.Muon):
     """`torch.optim.Muon` whose Newton–Schulz runs in each group's `ns_dtype` ("bf16": torch's own step)."""
 
     def __init__(self, params, ns_dtype: Literal["bf16", "fp32"] = "bf16", **kwargs):
-        if ns_dtype not in DTYPES:
-            raise OptquantError(f"Muon ns_dtype must be bf16 or fp32, got {ns_dtype!r}")
         super().__init__(params, **kwargs)
-        self.defaults["ns_dtype"] = ns_dtype
-        for group in self.param_groups:
-            group.setdefault("ns_dtype", ns_dtype)
+        set_ns_dtype_(self, ns_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
