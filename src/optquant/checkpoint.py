@@ -17,6 +17,7 @@ import errno
 import json
 import math
 import os
+import random
 import re
 import secrets
 import shutil
@@ -24,6 +25,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -130,6 +132,22 @@ def finite_json(obj: Any) -> Any:
 def atomic_write_json(path: Path, obj: Any) -> None:
     text = json.dumps(finite_json(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
     atomic_write_text(path, text + "\n")
+
+
+def rng_state(generator: torch.Generator) -> dict[str, Any]:
+    """Every RNG a training step draws from (torch, the data generator, Python, numpy), as checkpoint data."""
+    return {"torch": torch.get_rng_state(), "data": generator.get_state(),
+            "python": list(random.getstate()[1]) + [random.getstate()[2]],
+            "numpy": list(np.random.get_state()[1].tolist()) + [int(np.random.get_state()[2])]}
+
+
+def set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["data"])
+    py = state["python"]
+    random.setstate((3, tuple(py[:-1]), py[-1]))
+    npy = state["numpy"]
+    np.random.set_state(("MT19937", np.array(npy[:-1], dtype=np.uint32), npy[-1]))
 
 
 def _flatten(obj: Any, tensors: dict[str, Tensor]) -> Any:

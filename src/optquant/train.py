@@ -32,15 +32,23 @@ import torch
 from torch import nn
 
 from optquant import distributed as dist
-from optquant.checkpoint import atomic_write_json, atomic_write_text, load_checkpoint, save_checkpoint, save_weights
-from optquant.config import RunConfig, TrainConfig, validate
+from optquant.checkpoint import (
+    atomic_write_json,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    save_weights,
+    set_rng_state,
+)
+from optquant.config import RunConfig, TrainConfig, to_dict, validate
 from optquant.data import check_enough, fixed_batches, get_batch, load_tokens
 from optquant.device import use_bf16
 from optquant.errors import OptquantError
 from optquant.evaluate import val_loss
 from optquant.model import LM, count_params, lm_loss
 from optquant.optim import build_optimizers, ns_dtype, state_bytes
-from optquant.runs import parse_metrics, read_summary, write_config
+from optquant.runs import read_summary, truncate_metrics, write_config
+from optquant.tracking import Tracker, open_tracker
 
 log = logging.getLogger(__name__)
 
@@ -75,21 +83,6 @@ def validation_loss(model: nn.Module, batches: list) -> float:
     return val_loss(model, batches).loss
 
 
-def rng_state(generator: torch.Generator) -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "data": generator.get_state(),
-            "python": list(random.getstate()[1]) + [random.getstate()[2]],
-            "numpy": list(np.random.get_state()[1].tolist()) + [int(np.random.get_state()[2])]}
-
-
-def set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
-    torch.set_rng_state(state["torch"])
-    generator.set_state(state["data"])
-    py = state["python"]
-    random.setstate((3, tuple(py[:-1]), py[-1]))
-    npy = state["numpy"]
-    np.random.set_state(("MT19937", np.array(npy[:-1], dtype=np.uint32), npy[-1]))
-
-
 def build_model(cfg: RunConfig) -> nn.Module:
     model = LM(cfg.model)
     if cfg.qat is not None:
@@ -119,14 +112,8 @@ class _Loop:
     tracker: Any
     steps: int
     bf16: bool  # the steps' autocast
-
-    @property
-    def ckpt(self) -> Path:
-        return self.run_dir / "checkpoint.safetensors"
-
-    @property
-    def bound(self) -> float:
-        return self.cfg.train.diverge_factor * math.log(self.cfg.model.vocab_size)
+    bound: float  # a loss above it has diverged (train.diverge_factor × ln vocab; 0 = off)
+    ckpt: Path  # the resumable checkpoint
 
 
 def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
@@ -140,7 +127,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     steps, tc = r.steps, cfg.train
     state = _resume(r)
     if ctx.rank == 0:
-        _truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+        truncate_metrics(run_dir / "metrics.jsonl", state["step"])
     if tc.keep_history and state["step"] == 0:  # the start, for a crossing at the first evaluation
         _checkpoint(r, state, ctx.gather(rng_state(r.gen)), keep=True)
     ended = None  # (step, reason) when the run diverges
@@ -188,7 +175,7 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
     check_enough(data.val, val_batch, cfg.model.seq_len, "val")
     if ctx.rank == 0:  # after every check of the input: bad input leaves no run directory behind
         write_config(run_dir, cfg)
-    tracker = _tracker(cfg, run_dir, ctx.rank)
+    tracker = open_tracker(cfg.log, run_dir, to_dict(cfg)) if ctx.rank == 0 else Tracker()  # no-op unless log.to
     model = build_model(cfg).to(ctx.device)
     optimizers = build_optimizers(model, cfg.optim)
     ddp_model = ctx.wrap(model)
@@ -202,7 +189,8 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
            fixed_batches(data.val, tc.eval_batches, val_batch, cfg.model.seq_len, seed=cfg.seed + 12345)]
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + ctx.rank)
     return _Loop(cfg, run_dir, ctx, model, ddp_model, run_model, eval_model, optimizers, data.train, val, gen,
-                 tracker, total_steps(cfg, model), use_bf16(tc.precision, ctx.device))
+                 tracker, total_steps(cfg, model), use_bf16(tc.precision, ctx.device),
+                 tc.diverge_factor * math.log(cfg.model.vocab_size), run_dir / "checkpoint.safetensors")
 
 
 def _micro(cfg: RunConfig, ctx: dist.Context) -> int:
@@ -243,13 +231,9 @@ def _forward_backward(r: _Loop, mult: float) -> float:
     return r.ctx.mean(loss_sum)
 
 
-def _tokens_per_step(cfg: RunConfig) -> int:
-    return cfg.train.batch_size * cfg.model.seq_len
-
-
 def _log_step(r: _Loop, state: dict, on_step: Callable[[dict], None] | None, record: dict, t0: float) -> None:
     """The progress callback (mean throughput so far) and the tracker (this step's throughput)."""
-    per_step = _tokens_per_step(r.cfg)
+    per_step = r.cfg.train.batch_size * r.cfg.model.seq_len
     if on_step is not None and r.ctx.rank == 0:
         on_step({"step": state["step"], "total": r.steps, **record,
                  "tokens_per_s": per_step * state["timed_steps"] / state["train_time"]})
@@ -327,7 +311,7 @@ def _summarise(r: _Loop, state: dict, ended: tuple[int, str] | None) -> dict[str
         "eigh_retries": sum(getattr(o, "eigh_retries", 0) for o in optimizers),  # Shampoo's fp64 retries
         "mean_step_seconds": state["train_time"] / max(1, state["timed_steps"]),
         "n_params": count_params(model), "n_params_non_embedding": count_params(model, False),
-        "total_steps": r.steps, "bf16": r.bf16, "tokens_per_step": _tokens_per_step(cfg),
+        "total_steps": r.steps, "bf16": r.bf16, "tokens_per_step": cfg.train.batch_size * cfg.model.seq_len,
     }
     summary["tokens_per_s"] = summary["tokens_per_step"] / summary["mean_step_seconds"]
     return summary
@@ -385,14 +369,6 @@ def _load_optimizer_states(ckpt: Path, cfg: RunConfig, optimizers: list, saved: 
                             "delete it to train this run from scratch") from None
 
 
-def _tracker(cfg: RunConfig, run_dir: Path, rank: int):
-    """The run's experiment tracker (optquant.tracking; a no-op one unless log.to is set, and off rank 0)."""
-    from optquant.config import to_dict
-    from optquant.tracking import Tracker, open_tracker
-
-    return open_tracker(cfg.log, run_dir, to_dict(cfg)) if rank == 0 else Tracker()
-
-
 def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: float,
                  val_loss: float) -> dict:
     record = {"step": state["step"], "train_loss": loss, "val_loss": val_loss,
@@ -400,15 +376,6 @@ def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: 
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
     return record
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop evaluations after the checkpoint we resume from, and a last line cut short by a crash: they
-    will be recomputed identically. Rewritten atomically, so a crash here loses nothing."""
-    if not path.exists():
-        return
-    keep = [r for r in parse_metrics(path) if r["step"] <= step]
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _add_qat_degradation(summary: dict, cfg: RunConfig, run_dir: Path) -> None:
