@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import random
 import re
@@ -32,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from optquant.errors import OptquantError
+from optquant.files import finite_json
 
 
 def _pid_alive(pid: int) -> bool:
@@ -115,18 +115,6 @@ def _write_text(tmp: Path, text: str) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda tmp: _write_text(tmp, text))
-
-
-def finite_json(obj: Any) -> Any:
-    """`obj` with every NaN/±inf float replaced by None: JSON has no such numbers (json.dumps would
-    write `Infinity`, which strict parsers reject)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: finite_json(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [finite_json(v) for v in obj]
-    return obj
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

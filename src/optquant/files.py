@@ -7,6 +7,7 @@ Light on imports (no torch; pandas only for parquet) so that the report and the 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,18 @@ from optquant.errors import OptquantError
 
 if TYPE_CHECKING:
     import pandas as pd
+
+
+def finite_json(obj: Any) -> Any:
+    """`obj` with every NaN/±inf float replaced by None: JSON has no such numbers (json.dumps would
+    write `Infinity`, which strict parsers reject)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_json(v) for v in obj]
+    return obj
 
 
 def read_text(path: Path, kind: str) -> str:

@@ -14,6 +14,7 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from optquant.errors import OptquantError
+from optquant.files import finite_json
 
 
 @dataclass(frozen=True)
@@ -53,17 +54,6 @@ class FitConfig:
             raise OptquantError(f"FitConfig.rho_max must be in (1e-3, 1e3] or None, got {self.rho_max}")
 
 
-def _jsonable(v: Any) -> Any:
-    """Tuples as lists, non-finite floats as null: what json.dumps(allow_nan=False) accepts."""
-    if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
-
-
 def _float(v: Any) -> float:
     return math.nan if v is None else float(v)
 
@@ -94,7 +84,7 @@ class FitDiagnostics:
         return "; ".join(self.reasons[k] for k in ("fit", name) if k in self.reasons)
 
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable(dataclasses.asdict(self)) | {"identified": self.identified}
+        return finite_json(dataclasses.asdict(self)) | {"identified": self.identified}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Self:
@@ -119,7 +109,7 @@ class _Serializable:
 
     def to_dict(self) -> dict[str, Any]:
         diag = self.diagnostics  # type: ignore[attr-defined]
-        d = _jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore[arg-type]
+        d = finite_json({f.name: getattr(self, f.name) for f in dataclasses.fields(self)  # type: ignore[arg-type]
                        if f.name != "diagnostics"})
         return d | {"diagnostics": None if diag is None else diag.to_dict(), "kind": type(self).__name__}
 
