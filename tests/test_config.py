@@ -56,7 +56,7 @@ def test_toml_then_overrides(tmp_path):
     assert cfg.model.d_model == 64 and cfg.seed == 3 and cfg.train.steps == 7
     assert cfg.optim.name == "muon" and cfg.optim.lr == 0.02
     (tmp_path / "bad.toml").write_text("[optim\n")
-    with pytest.raises(OptquantError, match="invalid TOML"):
+    with pytest.raises(OptquantError, match="not valid TOML"):
         resolve(None, tmp_path / "bad.toml", [])
     with pytest.raises(OptquantError, match="not found"):
         resolve(None, tmp_path / "missing.toml", [])
@@ -67,3 +67,11 @@ def test_record_round_trip_and_stable_hash():
     again = from_dict(to_dict(cfg))
     assert again == cfg and config_hash(again) == config_hash(cfg)
     assert config_hash(apply_overrides(cfg, ["seed=1"])) != config_hash(cfg)
+
+
+def test_preset_is_a_label_not_part_of_the_run_id():
+    cfg = run_preset("nano")
+    assert cfg.preset == "nano" and apply_overrides(cfg, ["name=study-x"]).preset == "nano"
+    old = to_dict(cfg)
+    del old["preset"]  # a config.json written before the field existed
+    assert from_dict(old).preset == "" and config_hash(from_dict(old)) == config_hash(cfg)

@@ -1,12 +1,11 @@
-"""Metric–damage correlations across models, and the Common Loss protocol (both cross-model analyses).
+"""Metric–damage correlations across models.
 
 Strategy: point estimates and p-values against scipy.stats; the vectorised bootstrap against a plain
 loop over the same resample indices (exact) and against scipy.stats.bootstrap (statistically);
-degenerate inputs (n < 3, constant columns, NaN/inf) give NaN rows without raising. Common Loss is
-checked on hand-made run summaries whose answer is known.
+degenerate inputs (n < 3, constant columns, NaN/inf) give NaN rows without raising.
+The Common Loss protocol (study/plan.py cl_stage) is checked on a real smoke study in test_study.py.
 """
 
-import logging
 import math
 
 import numpy as np
@@ -15,7 +14,6 @@ import pytest
 from scipy import stats
 
 from optquant.errors import OptquantError
-from optquant.metrics.common_loss import best_runs, common_loss, first_crossing
 from optquant.metrics.correlate import bootstrap_ci, correlate
 
 
@@ -113,46 +111,6 @@ def test_spearman_sees_monotone_nonlinear():
 
 
 # ---- Common Loss ----
-
-RUNS = [
-    {"size": "50m", "optimizer": "adamw", "lr": 1e-3, "best_val_loss": 3.30},
-    {"size": "50m", "optimizer": "adamw", "lr": 3e-3, "best_val_loss": 3.20},
-    {"size": "50m", "optimizer": "muon", "lr": 2e-2, "best_val_loss": 3.10},
-    {"size": "50m", "optimizer": "muon", "lr": 5e-2, "best_val_loss": math.nan},  # diverged
-    {"size": "50m", "optimizer": "shampoo", "lr": 1e-3, "best_val_loss": 3.25},
-    {"size": "125m", "optimizer": "adamw", "lr": 1e-3, "best_val_loss": 2.90},
-    {"size": "125m", "optimizer": "muon", "lr": 1e-2, "best_val_loss": 2.95},
-]
-
-
-def test_common_loss_is_worst_of_best():
-    assert common_loss(RUNS) == {"50m": 3.25, "125m": 2.95}
-    best = best_runs(RUNS)
-    assert best[("50m", "adamw")]["lr"] == 3e-3 and best[("50m", "muon")]["lr"] == 2e-2
-
-
-def test_common_loss_skips_diverged_optimizer(caplog):
-    runs = RUNS + [{"size": "50m", "optimizer": "psgd", "lr": 1.0, "best_val_loss": math.inf}]
-    with caplog.at_level(logging.WARNING):
-        assert common_loss(runs)["50m"] == 3.25
-    assert "psgd" in caplog.text
-    with pytest.raises(OptquantError, match="best_val_loss"):
-        common_loss([{"size": "50m", "optimizer": "adamw"}])
-
-
-def test_first_crossing():
-    records = [
-        {"step": 400, "val_loss": 3.24},
-        {"step": 0, "val_loss": 9.0},
-        {"step": 100, "train_loss": 3.0},  # a training-only line
-        {"step": 200, "val_loss": 3.26},
-        {"step": 600, "val_loss": 3.22},
-    ]
-    assert first_crossing(records, 3.25)["step"] == 400
-    assert first_crossing(records, 3.26)["step"] == 200  # "at or below"
-    assert first_crossing(records, 3.0) is None
-    assert first_crossing(records, 3.255, tol=0.01)["step"] == 200
-
 
 def test_partial_methods_control_for_a_column():
     from optquant.stats import partial_corr

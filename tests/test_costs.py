@@ -33,14 +33,15 @@ def test_longest_first_by_estimated_training_cost(nano_cfg, tmp_path):
 
 
 def test_costs_logged_and_finished_jobs_not_rerun(nano_cfg, tmp_path, monkeypatch):
-    jobs = [_train_job(nano_cfg, tmp_path, f"r{i}", "train.steps=6", f"seed={i}") for i in range(2)]
+    # named like a study's run: the size comes from the config's preset field, not from the name
+    jobs = [_train_job(nano_cfg, tmp_path, f"r{i}", "train.steps=6", f"seed={i}", "name=study-x") for i in range(2)]
     qat = _train_job(nano_cfg, tmp_path, "q", "train.steps=6", "qat.method=quest")
     results = execute([*jobs, qat], "local", 1, tmp_path / "submitit")
     records = read_costs(tmp_path)
     assert sorted(r["key"] for r in records) == ["q", "r0", "r1"]
     by_key = {r["key"]: r for r in records}
     assert by_key["r0"]["stage"] == "fp" and by_key["q"]["stage"] == "qat"
-    assert by_key["r0"]["optimizer"] == "adamw" and by_key["r0"]["size"] == nano_cfg.name
+    assert by_key["r0"]["optimizer"] == "adamw" and by_key["r0"]["size"] == "nano" == nano_cfg.preset
     assert all(r["end"] >= r["start"] and r["seconds"] > 0 for r in records)
     assert set(by_key["q"]["parts"]) == {"qat"} and set(by_key["r0"]["parts"]) == {"training"}
     # a second submission of finished runs is answered from their files: no worker, no new cost line

@@ -10,7 +10,8 @@ AdamW; our Muon step = a Muon written here from paper.md §3, and with `ns_dtype
 wrappers = direct library calls with the authors' arguments (Scion's Newton–Schulz in bf16, as the
 library's); in fp32 Newton–Schulz follows the fp64 iteration ~1000× closer than bf16; `ns_dtype=auto`
 follows the CPU's bf16 capability (monkeypatched) and the run summary records the dtype.
-Shampoo's closed forms are in test_shampoo.py. One torch thread: the machine's cores are shared.
+The optimizers written here keep torch's `step(closure)` contract and refuse complex parameters in one
+line. Shampoo's closed forms are in test_shampoo.py. One torch thread: the machine's cores are shared.
 """
 
 from __future__ import annotations
@@ -477,3 +478,31 @@ def test_stacked_newton_schulz_equals_one_call_per_matrix(dtype):
         stacked = newton_schulz_many(mats, 5, dtype, memory_format=layout)
         assert all(torch.equal(a, newton_schulz(m, 5, dtype, memory_format=layout))
                    for a, m in zip(stacked, mats, strict=True))
+
+
+@pytest.mark.parametrize("name", ["muon", "psgd", "shampoo"])
+def test_step_with_closure_returns_its_loss_computed_with_grad(name):
+    model = new_model()
+    opts = build_optimizers(model, OPTIMIZERS[name]())
+    seen = []
+
+    def closure():
+        for opt in opts:
+            opt.zero_grad()
+        loss = lm_loss(model, *batch(0))
+        loss.backward()  # fails if the step ran the closure under its own no_grad
+        seen.append(loss)
+        return loss
+
+    assert opts[0].step(closure) is seen[0] and len(seen) == 1
+
+
+def test_complex_parameters_are_refused_in_one_line():
+    from optquant.optim.muon import Muon
+    from optquant.optim.shampoo import Shampoo
+
+    for cls in (Muon, Shampoo):
+        p = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.complex64))
+        p.grad = torch.ones_like(p)
+        with pytest.raises(OptquantError, match=f"{cls.__name__} supports dense real parameters only"):
+            cls([p]).step()

@@ -33,7 +33,6 @@ from optquant.quant.qat import (
     prepare_qat_,
     quest_quantize,
     relative_degradation,
-    set_quantization_,
     ste_quantize,
 )
 
@@ -177,9 +176,9 @@ def test_half_hadamard_leaves_the_layer_unchanged(in_features):
     q = QATLinear(lin, QATConfig(hadamard_block=128))
     assert q.block == min(128, in_features & -in_features)
     x = torch.randn(3, 7, in_features, dtype=torch.float64)
-    set_quantization_(q, False)
+    q.quantize = False  # the rotations alone
     assert torch.allclose(q(x), lin(x), atol=1e-12)  # (xH)(WH)ᵀ = xWᵀ
-    set_quantization_(q, True)
+    q.quantize = True
     H = block_hadamard(in_features, q.block, torch.float64)  # independent dense construction
     ref = F.linear(quest_quantize(x @ H, 4), quest_quantize(lin.weight @ H, 4), lin.bias)
     assert torch.allclose(q(x), ref, atol=1e-12)

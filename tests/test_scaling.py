@@ -1,4 +1,4 @@
-"""Tests for optquant.scaling.
+"""Tests for optquant.scaling (law, fit, design, intervals, diagnostics).
 
 Strategy: losses generated from a known law L = A/(N·ρ)^α + E (A = 400, α = 0.3, E = 1.8, ρ_4bit = 0.85,
 six sizes from 1e6 to 1e9, FP and QAT) must give the parameters back: exactly without noise, within
@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 from scipy.optimize import check_grad
 
-from optquant import scaling as S
 from optquant.errors import OptquantError
-from optquant.scaling import FitConfig, JointFit, LawFit, ScalingPoint, fit_joint, fit_law, fit_laws, predict
+from optquant.scaling import FitConfig, JointFit, LawFit, ScalingPoint, fit_joint, fit_law, fit_laws, judge, predict
+from optquant.scaling.design import joint_design, objective
+from optquant.scaling.intervals import resampling_strata
 
 TRUE = dict(A=400.0, alpha=0.3, E=1.8)
 SIZES = np.geomspace(1e6, 1e9, 6)
@@ -182,7 +183,7 @@ def test_fit_laws_and_json_round_trip():
 
 def test_objective_gradient_matches_finite_differences():
     pts, _ = joint_points(noise=0.01)
-    d = S._joint_design("adamw")(pts)
+    d = joint_design("adamw")(pts)
     x0 = float(d.x.mean())
     rng = np.random.default_rng(0)
     for delta in (1e9, 0.02):  # pure quadratic, and a mix of quadratic and linear residuals
@@ -192,10 +193,10 @@ def test_objective_gradient_matches_finite_differences():
         assert (np.abs(res) > delta).any() == (delta < 1), "both Huber branches must be exercised"
 
         def f(t: np.ndarray, delta: float = delta) -> float:
-            return S._objective(t, d, x0, delta)[0]
+            return objective(t, d, x0, delta)[0]
 
         def g(t: np.ndarray, delta: float = delta) -> np.ndarray:
-            return S._objective(t, d, x0, delta)[1]
+            return objective(t, d, x0, delta)[1]
 
         assert check_grad(f, g, theta, epsilon=1e-7) < 1e-4 * np.linalg.norm(g(theta))
 
@@ -255,9 +256,9 @@ def test_rho_interval_wider_than_the_spread_is_not_identified():
         assert width > spread  # 1 % noise: ρ known to a few hundredths, optimizers 0.006 apart
         assert f"interval width {width:.3g} > spread {spread:.3g}" in f.diagnostics.reasons["rho_4bit"]
         assert not f.identified and "fit" not in f.diagnostics.reasons  # the law itself is fine
-    alone = S.judge({"adamw": fits["adamw"]}, cfg)["adamw"]  # one optimizer: no spread to compare with
+    alone = judge({"adamw": fits["adamw"]}, cfg)["adamw"]  # one optimizer: no spread to compare with
     assert alone.identified, alone.diagnostics.reasons
-    assert S.judge(fits, cfg) == fits  # judging twice changes nothing
+    assert judge(fits, cfg) == fits  # judging twice changes nothing
     joint = fit_joint(pts, cfg)
     assert "across optimizers" in joint.diagnostics.why_not("rho_4bit/muon")
 
@@ -320,7 +321,7 @@ def test_repeated_sizes_fit_and_bootstrap_seeds_within_each_size():
     assert_close(fit.rho["4bit"], 0.85, 0.02, "rho")
     assert fit_law(pts, FitConfig(n_boot=10)).intervals == fit.intervals  # seeded
     # one stratum per size, one cluster per seed holding that seed's FP and QAT points at that size
-    how, strata = S._clusters(pts)
+    how, strata = resampling_strata(pts)
     assert len(strata) == 6 and all(len(clusters) == 3 for clusters in strata)
     for clusters in strata:
         assert len({pts[i].n_params for c in clusters for i in c}) == 1
@@ -328,8 +329,8 @@ def test_repeated_sizes_fit_and_bootstrap_seeds_within_each_size():
             assert len({pts[i].seed for i in c}) == 1 and {pts[i].precision for i in c} == {"fp", "4bit"}
     # seeds not recorded: the k-th point of a (optimizer, precision, size) counts as seed k
     unseeded = [ScalingPoint(p.optimizer, p.n_params, p.loss, p.quantized, p.bits) for p in pts]
-    assert [sorted(map(sorted, s)) for s in S._clusters(unseeded)[1]] == [sorted(map(sorted, s)) for s in strata]
+    assert [sorted(map(sorted, s)) for s in resampling_strata(unseeded)[1]] == [sorted(map(sorted, s)) for s in strata]
     # one size with a single seed: resample points within (optimizer, precision) groups, as with one seed
     mixed = [p for p in pts if not (p.n_params == SIZES[0] and p.seed)]
-    assert S._clusters(mixed)[0] == "points within each (optimizer, precision) group"
-    assert S._clusters(law_points())[0] == "points within each (optimizer, precision) group"
+    assert resampling_strata(mixed)[0] == "points within each (optimizer, precision) group"
+    assert resampling_strata(law_points())[0] == "points within each (optimizer, precision) group"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,11 +23,12 @@ import pandas as pd
 import torch
 from torch import nn
 
-from optquant.checkpoint import atomic_write, atomic_write_json, load_weights, read_json
+from optquant.checkpoint import atomic_write, atomic_write_json, load_weights
 from optquant.config import RunConfig
 from optquant.data import fixed_batches, load_tokens
 from optquant.errors import OptquantError
 from optquant.evaluate import MCConfig, mc_eval, val_loss
+from optquant.files import finite_json, read_json
 from optquant.harness import HarnessConfig
 from optquant.metrics.outliers import aggregate, outlier_metrics
 from optquant.metrics.propagation import PropagationConfig, propagation, ptq_pair
@@ -199,7 +199,7 @@ def analyze_model(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out: Pa
     write_parquet(out / "propagation.parquet", pd.DataFrame([dataclasses.asdict(r) for r in rows]))
     result = {"scheme": qcfg.name, "weights": acfg.weights, **aggregate(layers),
               **{k: v for k, v in dataclasses.asdict(summary).items() if k != "norm"}}
-    result = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
+    result = finite_json(result)  # NaN as null, as the file will hold it
     atomic_write_json(out / "analysis.json", result)
     return result
 
@@ -211,8 +211,8 @@ def fp_outliers(run_dir: Path, acfg: AnalysisConfig = AnalysisConfig()) -> dict[
         return read_json(path)
     cfg, model = load_run_model(run_dir, acfg.weights)
     data = load_tokens(cfg.data, cfg.model.vocab_size)
-    result = aggregate(outlier_metrics(model, _batches(cfg, data.val, acfg.calib_batches, cfg.seed + 12345)))
-    result = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in result.items()}
+    result = finite_json(aggregate(outlier_metrics(model, _batches(cfg, data.val, acfg.calib_batches,
+                                                                   cfg.seed + 12345))))
     atomic_write_json(path, result)
     return result
 

@@ -84,27 +84,14 @@ def split_plan_overrides(overrides: list[str]) -> tuple[PlanConfig, list[str]]:
 
 
 # ----------------------------------------------------------------------------- optimizer state layouts
-def _shape(p) -> tuple[int, ...]:
-    return tuple(p.shape)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
 def _adamw(shape, b: int, fused_step: bool = True) -> int:
     """torch AdamW(fused=True): exp_avg, exp_avg_sq and a 0-d fp32 `step` tensor per parameter."""
-    return 2 * _numel(shape) * b + (4 if fused_step else 0)
+    return 2 * math.prod(shape) * b + (4 if fused_step else 0)
 
 
-def _muon(shape, b: int) -> int:
-    """torch.optim.Muon: one momentum buffer per matrix."""
-    return _numel(shape) * b
-
-
-def _scion(shape, b: int) -> int:
-    """pytorch_optimizer.SCION: the momentum `d` per parameter."""
-    return _numel(shape) * b
+def _momentum(shape, b: int) -> int:
+    """One momentum buffer like the parameter: torch.optim.Muon's per matrix, pytorch_optimizer.SCION's `d`."""
+    return math.prod(shape) * b
 
 
 def _kron(shape, b: int, cfg) -> int:
@@ -112,7 +99,7 @@ def _kron(shape, b: int, cfg) -> int:
     factor (the triangular Q, stored full) or, for a size-1 dim, a dim above `max_size_triangular`, a
     tensor with fewer than `min_ndim_triangular` dims or a diagonal `memory_save_mode` dim, a diagonal n.
     Factors are fp32 (`precondition_dtype`); a 0-d parameter has one scalar factor."""
-    total = _numel(shape) * b
+    total = math.prod(shape) * b
     if not shape:
         return total + 4
     diag = [False] * len(shape)
@@ -162,7 +149,7 @@ def _shampoo(shape, b: int, cfg) -> int:
     if cfg.precondition_1d or not squeezed_1d:
         total += sum(2 * n * n * b for blk in shampoo_blocks(shape, cfg.max_preconditioner_dim) for n in blk)
     copies = (cfg.beta1 > 0) + (cfg.grafting == "adam") + (cfg.momentum > 0)
-    return total + copies * _numel(shape) * b
+    return total + copies * math.prod(shape) * b
 
 
 def _soap(shape, b: int, cfg) -> int:
@@ -171,7 +158,7 @@ def _soap(shape, b: int, cfg) -> int:
     `max_precondition_dim` (a 1-D parameter only with `precondition_1d`); larger dims get neither."""
     from pytorch_optimizer.optimizer.utils.shape import merge_small_dims
 
-    total = 2 * _numel(shape) * b
+    total = 2 * math.prod(shape) * b
     if len(shape) == 1:
         dims = list(shape) if cfg.precondition_1d else []
     else:
@@ -187,13 +174,13 @@ def optimizer_state_bytes(model: nn.Module, optim: Any) -> int:
     for group, params in (("embeddings", groups.embeddings), ("vectors", groups.vectors),
                           ("matrices", groups.matrices)):
         for p in params:
-            shape, b = _shape(p), p.element_size()
+            shape, b = tuple(p.shape), p.element_size()
             if optim.name == "adamw":
                 total += _adamw(shape, b)
             elif optim.name == "muon":
-                total += _muon(shape, b) if group == "matrices" else _adamw(shape, b)
+                total += _momentum(shape, b) if group == "matrices" else _adamw(shape, b)
             elif optim.name == "scion":
-                total += _scion(shape, b)
+                total += _momentum(shape, b)
             elif optim.name == "psgd":
                 total += _kron(shape, b, optim)
             elif optim.name == "shampoo":

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
+import random
 import re
 import secrets
 import shutil
@@ -24,12 +24,14 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from optquant.errors import OptquantError
+from optquant.files import finite_json
 
 
 def _pid_alive(pid: int) -> bool:
@@ -115,34 +117,25 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda tmp: _write_text(tmp, text))
 
 
-def finite_json(obj: Any) -> Any:
-    """`obj` with every NaN/±inf float replaced by None: JSON has no such numbers (json.dumps would
-    write `Infinity`, which strict parsers reject)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: finite_json(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [finite_json(v) for v in obj]
-    return obj
-
-
 def atomic_write_json(path: Path, obj: Any) -> None:
     text = json.dumps(finite_json(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
     atomic_write_text(path, text + "\n")
 
 
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise OptquantError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise OptquantError(f"{path}: is a directory, not a JSON file") from None
-    except UnicodeDecodeError as e:
-        raise OptquantError(f"{path}: not valid JSON (not UTF-8: {e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise OptquantError(f"{path}: not valid JSON ({e})") from None
+def rng_state(generator: torch.Generator) -> dict[str, Any]:
+    """Every RNG a training step draws from (torch, the data generator, Python, numpy), as checkpoint data."""
+    return {"torch": torch.get_rng_state(), "data": generator.get_state(),
+            "python": list(random.getstate()[1]) + [random.getstate()[2]],
+            "numpy": list(np.random.get_state()[1].tolist()) + [int(np.random.get_state()[2])]}
+
+
+def set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["data"])
+    py = state["python"]
+    random.setstate((3, tuple(py[:-1]), py[-1]))
+    npy = state["numpy"]
+    np.random.set_state(("MT19937", np.array(npy[:-1], dtype=np.uint32), npy[-1]))
 
 
 def _flatten(obj: Any, tensors: dict[str, Tensor]) -> Any:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from optquant.data import DataConfig
 from optquant.errors import OptquantError
+from optquant.files import read_text
 from optquant.model import MODEL_PRESETS, ModelConfig, model_config
 from optquant.optim import OPTIMIZERS, AdamWConfig, optimizer_config, optimizer_config_class
 from optquant.optim.plugin import PluginConfig, safe_name
@@ -66,6 +67,7 @@ class RunConfig:
     qat: QATConfig | None = None  # quantization-aware training from scratch when set
     seed: int = 0
     log: LogConfig = field(default_factory=LogConfig)  # experiment tracking; not part of the config hash
+    preset: str = ""  # the size preset it was built from (a study's size): a label, not part of the hash
 
 
 # Run presets: a model size and the batch settings that suit it. The budget follows from
@@ -88,16 +90,17 @@ def run_preset(name: str) -> RunConfig:
     """A RunConfig for a size preset (`nano`, `micro`, `tiny`, `small`, `50m`, ..., `1.5b`)."""
     if name not in RUN_PRESETS:
         raise OptquantError(f"unknown preset {name!r}; choose one of {', '.join(RUN_PRESETS)}")
-    cfg = RunConfig(name=name, model=model_config(name))
+    cfg = RunConfig(name=name, model=model_config(name), preset=name)
     return apply_overrides(cfg, [f"{k}={v}" for k, v in RUN_PRESETS[name].items()])
 
 
 def config_hash(cfg: Any) -> str:
-    """The run id's hash. Left out: `log` (where a run is logged) and `train.compile` (how it executes)
-    are not which run it is, and run ids from before those settings existed stay valid."""
+    """The run id's hash. Left out: `log` (where a run is logged), `preset` (a label) and `train.compile`
+    (how it executes) are not which run it is, and run ids from before those settings existed stay valid."""
     data = to_dict(cfg)
     if isinstance(cfg, RunConfig):
         data.pop("log", None)
+        data.pop("preset", None)
     if isinstance(data.get("train"), dict):
         data["train"].pop("compile", None)
     return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
@@ -256,6 +259,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_fields(cfg, "", "")
     if not _NAME.fullmatch(cfg.name):
         raise OptquantError(f"name={cfg.name!r}: use letters, digits and . _ + - (it names the run directory)")
+    if cfg.preset and not _NAME.fullmatch(cfg.preset):
+        raise OptquantError(f"preset={cfg.preset!r}: use letters, digits and . _ + - (it labels the run's size)")
     tc = cfg.train
     if tc.batch_size % tc.grad_accum:
         raise OptquantError(f"train.batch_size={tc.batch_size} is not divisible by train.grad_accum={tc.grad_accum}")
@@ -328,15 +333,9 @@ def _flatten_toml(table: dict, prefix: str = "") -> list[str]:
 def load_toml(path: Path) -> tuple[str | None, list[str]]:
     """(preset, overrides) from a TOML run file."""
     try:
-        table = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise OptquantError(f"{path}: config file not found") from None
-    except IsADirectoryError:
-        raise OptquantError(f"{path}: is a directory, not a TOML file") from None
-    except UnicodeDecodeError as e:
-        raise OptquantError(f"{path}: invalid TOML (not UTF-8: {e.reason} at byte {e.start})") from None
+        table = tomllib.loads(read_text(path, "TOML"))
     except tomllib.TOMLDecodeError as e:
-        raise OptquantError(f"{path}: invalid TOML ({e})") from None
+        raise OptquantError(f"{path}: not valid TOML ({e})") from None
     preset = table.pop("preset", None)
     if preset is not None and not isinstance(preset, str):
         raise OptquantError(f"{path}: preset must be a string, got {preset!r}")

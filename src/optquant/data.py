@@ -182,20 +182,10 @@ def _fortune_items(text: str) -> list[str]:
 
 
 def _read_txt(path: Path, field: str) -> list[str | None]:
-    try:
-        return path.read_text(encoding="utf-8").split(EOT)
-    except UnicodeDecodeError as e:
-        raise OptquantError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return path.read_text(encoding="utf-8").split(EOT)
 
 
 def _read_jsonl(path: Path, field: str) -> list[str | None]:
-    try:
-        return _jsonl_texts(path, field)
-    except UnicodeDecodeError as e:
-        raise OptquantError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-
-
-def _jsonl_texts(path: Path, field: str) -> list[str | None]:
     texts: list[str | None] = []
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
@@ -219,17 +209,12 @@ def _read_parquet(path: Path, field: str) -> list[str | None]:
     import pyarrow.parquet as pq
 
     try:
-        schema = pq.read_schema(path)
+        names = pq.read_schema(path).names
+        column = pq.read_table(path, columns=[field]).column(field) if field in names else None
     except (pa.ArrowException, OSError) as e:
         raise OptquantError(f"{path} is not a readable parquet file ({str(e).splitlines()[0]})") from None
-    if field not in schema.names:
-        raise OptquantError(
-            f"{path} has no column {field!r} (columns: {', '.join(schema.names)}; set data.text_field)"
-        )
-    try:
-        column = pq.read_table(path, columns=[field]).column(field)
-    except (pa.ArrowException, OSError) as e:
-        raise OptquantError(f"{path} is not a readable parquet file ({str(e).splitlines()[0]})") from None
+    if column is None:
+        raise OptquantError(f"{path} has no column {field!r} (columns: {', '.join(names)}; set data.text_field)")
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
         raise OptquantError(f"{path}: column {field!r} has type {column.type}, not string")
     return column.to_pylist()
@@ -251,10 +236,12 @@ def _documents(f: SourceFile, field: str) -> list[Document]:
         return [
             (f"{f.name}/{i}", t) for i, t in enumerate(_fortune_items(f.path.read_text(encoding="latin-1")))
         ]
+    try:
+        texts = _READERS[f.path.suffix](f.path, field)
+    except UnicodeDecodeError as e:
+        raise OptquantError(f"{f.path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     # Ids count every line/row/block, kept or not, so an edit elsewhere never renames a document.
-    return [
-        (f"{f.name}:{i}", t) for i, t in enumerate(_READERS[f.path.suffix](f.path, field)) if t is not None
-    ]
+    return [(f"{f.name}:{i}", t) for i, t in enumerate(texts) if t is not None]
 
 
 def read_documents(cfg: DataConfig, files: list[SourceFile] | None = None) -> list[Document]:

@@ -59,27 +59,6 @@ def require_lm_eval():
     return lm_eval
 
 
-def load_model(run_dir: Path | None, hf: Path | None, weights: str = "final", seq_len: int = 2048):
-    """(model, tokenizers.Tokenizer, eos id) of a run or of an HF folder."""
-    if (run_dir is None) == (hf is None):
-        raise OptquantError("eval: give a run directory or --hf PATH (one of them)")
-    if hf is not None:
-        from optquant.hf import load_hf, require_transformers
-
-        transformers = require_transformers()
-        model = load_hf(hf, seq_len)
-        tok = transformers.AutoTokenizer.from_pretrained(hf, local_files_only=True)
-        if getattr(tok, "backend_tokenizer", None) is None or tok.eos_token_id is None:
-            raise OptquantError(f"{hf}: the tokenizer needs a fast (tokenizer.json) backend and an EOS token")
-        return model, tok.backend_tokenizer, tok.eos_token_id
-    from optquant.analysis import load_run_model
-    from optquant.data import load_tokens
-
-    cfg, model = load_run_model(run_dir, weights)
-    data = load_tokens(cfg.data, cfg.model.vocab_size)
-    return model, data.tokenizer, data.eot_id
-
-
 @functools.cache  # indexing lm-eval's ~15k built-in tasks takes half a minute: once per process
 def task_manager(tasks: tuple[str, ...], include_path: str | None):
     """An lm_eval TaskManager that knows every one of `tasks` (offline), or one clear error."""

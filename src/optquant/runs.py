@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import json
 import os
 import socket
 import subprocess
@@ -27,10 +28,10 @@ from typing import Any
 import torch
 
 import optquant
-from optquant.checkpoint import atomic_write_json, read_json
+from optquant.checkpoint import atomic_write_json, atomic_write_text
 from optquant.config import RunConfig, from_dict, run_id, to_dict
 from optquant.errors import OptquantError
-from optquant.files import parse_metrics
+from optquant.files import parse_metrics, read_json
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,3 +118,12 @@ def locked(path: Path, wait: bool = True) -> Iterator[None]:
             raise
     finally:
         os.close(fd)  # releases the lock
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop evaluations after the checkpoint we resume from, and a last line cut short by a crash: they
+    will be recomputed identically. Rewritten atomically, so a crash here loses nothing."""
+    if not path.exists():
+        return
+    keep = [r for r in parse_metrics(path) if r["step"] <= step]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))

@@ -23,6 +23,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +32,23 @@ import torch
 from torch import nn
 
 from optquant import distributed as dist
-from optquant.checkpoint import atomic_write_json, atomic_write_text, load_checkpoint, save_checkpoint, save_weights
-from optquant.config import RunConfig, TrainConfig, validate
+from optquant.checkpoint import (
+    atomic_write_json,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    save_weights,
+    set_rng_state,
+)
+from optquant.config import RunConfig, TrainConfig, to_dict, validate
 from optquant.data import check_enough, fixed_batches, get_batch, load_tokens
 from optquant.device import use_bf16
 from optquant.errors import OptquantError
 from optquant.evaluate import val_loss
 from optquant.model import LM, count_params, lm_loss
 from optquant.optim import build_optimizers, ns_dtype, state_bytes
-from optquant.runs import parse_metrics, read_summary, write_config
+from optquant.runs import read_summary, truncate_metrics, write_config
+from optquant.tracking import Tracker, open_tracker
 
 log = logging.getLogger(__name__)
 
@@ -74,21 +83,6 @@ def validation_loss(model: nn.Module, batches: list) -> float:
     return val_loss(model, batches).loss
 
 
-def rng_state(generator: torch.Generator) -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "data": generator.get_state(),
-            "python": list(random.getstate()[1]) + [random.getstate()[2]],
-            "numpy": list(np.random.get_state()[1].tolist()) + [int(np.random.get_state()[2])]}
-
-
-def set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
-    torch.set_rng_state(state["torch"])
-    generator.set_state(state["data"])
-    py = state["python"]
-    random.setstate((3, tuple(py[:-1]), py[-1]))
-    npy = state["numpy"]
-    np.random.set_state(("MT19937", np.array(npy[:-1], dtype=np.uint32), npy[-1]))
-
-
 def build_model(cfg: RunConfig) -> nn.Module:
     model = LM(cfg.model)
     if cfg.qat is not None:
@@ -98,6 +92,30 @@ def build_model(cfg: RunConfig) -> nn.Module:
     return model
 
 
+@dataclass(frozen=True)
+class _Loop:
+    """What the loop works with, built once by _setup; the loop's changing state is the `state` dict that
+    checkpoints carry. `model` owns the weights; `ddp_model` is it wrapped for DDP, `run_model` that
+    compiled for the step, and `eval_model` the model compiled for evaluation."""
+
+    cfg: RunConfig
+    run_dir: Path
+    ctx: dist.Context
+    model: nn.Module
+    ddp_model: nn.Module
+    run_model: nn.Module
+    eval_model: nn.Module
+    optimizers: list
+    tokens: np.ndarray  # the training split
+    val: list  # this rank's share of the fixed validation batches
+    gen: torch.Generator  # this rank's data stream
+    tracker: Any
+    steps: int
+    bf16: bool  # the steps' autocast
+    bound: float  # a loss above it has diverged (train.diverge_factor × ln vocab; 0 = off)
+    ckpt: Path  # the resumable checkpoint
+
+
 def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Train one run in `run_dir`, resuming from its checkpoint if there is one; returns the summary."""
     run_dir = Path(run_dir)
@@ -105,7 +123,44 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     if (done := read_summary(run_dir)) is not None:
         dist.teardown(ctx)
         return done
-    device = ctx.device
+    r = _setup(cfg, run_dir, ctx)
+    steps, tc = r.steps, cfg.train
+    state = _resume(r)
+    if ctx.rank == 0:
+        truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+    if tc.keep_history and state["step"] == 0:  # the start, for a crossing at the first evaluation
+        _checkpoint(r, state, ctx.gather(rng_state(r.gen)), keep=True)
+    ended = None  # (step, reason) when the run diverges
+    r.model.train()
+    while state["step"] < steps:
+        step, t0 = state["step"], time.perf_counter()
+        mult = lr_multiplier(step, steps, tc)
+        loss = _forward_backward(r, mult)
+        if (reason := divergence("train loss", loss, r.bound)) is not None:
+            ended = (step, reason)
+            break
+        for opt in r.optimizers:
+            opt.step()
+        for opt in r.optimizers:
+            opt.zero_grad(set_to_none=True)
+        state["train_time"] += time.perf_counter() - t0
+        state["timed_steps"] += 1
+        state["step"] = step + 1
+        _log_step(r, state, on_step, {"loss": loss, "lr_mult": mult}, t0)
+        if _regular(tc, state, steps) or _near_cl(tc, state):
+            if (reason := _evaluate_and_checkpoint(r, state, loss, mult)) is not None:
+                ended = (state["step"], reason)
+                break
+            if tc.stop_at_cl and state["cl_step"] is not None:
+                break
+    summary = _finish(r, state, ended)
+    dist.teardown(ctx)
+    return summary
+
+
+def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
+    """Check the input, seed every RNG, write config.json, build the model and optimizers, draw the
+    validation set. Bad input raises before the run directory exists."""
     validate(cfg)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -114,139 +169,140 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     if tc.batch_size % (tc.grad_accum * ctx.world_size):
         raise OptquantError(f"train.batch_size={tc.batch_size} is not divisible by grad_accum×processes "
                             f"= {tc.grad_accum}×{ctx.world_size}")
-    micro = tc.batch_size // (tc.grad_accum * ctx.world_size)
     data = load_tokens(cfg.data, cfg.model.vocab_size)
-    check_enough(data.train, micro, cfg.model.seq_len, "train")
+    check_enough(data.train, _micro(cfg, ctx), cfg.model.seq_len, "train")
     val_batch = tc.batch_size // tc.grad_accum  # one process's micro-batch, split over the ranks below
     check_enough(data.val, val_batch, cfg.model.seq_len, "val")
     if ctx.rank == 0:  # after every check of the input: bad input leaves no run directory behind
         write_config(run_dir, cfg)
-    tracker = _tracker(cfg, run_dir, ctx.rank)
-    model = build_model(cfg).to(device)
+    tracker = open_tracker(cfg.log, run_dir, to_dict(cfg)) if ctx.rank == 0 else Tracker()  # no-op unless log.to
+    model = build_model(cfg).to(ctx.device)
     optimizers = build_optimizers(model, cfg.optim)
     ddp_model = ctx.wrap(model)
     from optquant.compiled import maybe_compile  # train.compile: the step and the evaluations
 
-    run_model = maybe_compile(ddp_model, tc.compile, device)
-    eval_model = run_model if ddp_model is model else maybe_compile(model, tc.compile, device)
-    steps = total_steps(cfg, model)
-    bf16 = use_bf16(tc.precision, device)
+    run_model = maybe_compile(ddp_model, tc.compile, ctx.device)
+    eval_model = run_model if ddp_model is model else maybe_compile(model, tc.compile, ctx.device)
     # The validation set must not depend on how many processes train: draw it as one process would and
     # give each rank an equal share (ctx.mean of equal-size shares is the mean over the whole set).
     val = [(x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]) for x, y in
            fixed_batches(data.val, tc.eval_batches, val_batch, cfg.model.seq_len, seed=cfg.seed + 12345)]
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + ctx.rank)
-    ckpt = run_dir / "checkpoint.safetensors"
-    state = _resume(ckpt, cfg, model, optimizers, gen, ctx)
-    if ctx.rank == 0:
-        _truncate_metrics(run_dir / "metrics.jsonl", state["step"])
-    info = {"n_params": count_params(model), "n_params_non_embedding": count_params(model, False),
-            "total_steps": steps, "bf16": bf16, "tokens_per_step": tc.batch_size * cfg.model.seq_len}
-    status, diverged_step, reason, last_val = "done", None, None, state.get("last_val")
-    bound = tc.diverge_factor * math.log(cfg.model.vocab_size)
-    if tc.keep_history and state["step"] == 0 and ctx.rank == 0:  # the start, for a crossing at the first eval
-        _save(ckpt, cfg, model, optimizers, ctx.gather(rng_state(gen)), state)
-        _keep(ckpt, run_dir, 0)
-    model.train()
-    while state["step"] < steps:
-        step, t0 = state["step"], time.perf_counter()
-        mult = lr_multiplier(step, steps, tc)
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["lr"] = group["base_lr"] * mult
-        loss_sum = _forward_backward(cfg, ctx, ddp_model, run_model, data.train, micro, gen, bf16)
-        if (reason := divergence("train loss", loss_sum, bound)) is not None:
-            status, diverged_step = "diverged", step
-            break
-        for opt in optimizers:
-            opt.step()
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        state["train_time"] += time.perf_counter() - t0
-        state["timed_steps"] += 1
-        state["step"] = step + 1
-        if on_step is not None and ctx.rank == 0:
-            on_step({"step": step + 1, "total": steps, "loss": loss_sum, "lr_mult": mult,
-                     "tokens_per_s": info["tokens_per_step"] * state["timed_steps"] / state["train_time"]})
-        tracker.step(state["step"], {"loss": loss_sum, "lr_mult": mult,
-                                     "tokens_per_s": info["tokens_per_step"] / (time.perf_counter() - t0)})
-        regular = state["step"] % tc.eval_every == 0 or state["step"] == steps
-        if regular or _near_cl(tc, state):
-            last_val = ctx.mean(validation_loss(eval_model, val))  # the same on every rank: same breaks
-            if (reason := divergence("val loss", last_val, bound)) is not None:
-                status, diverged_step = "diverged", state["step"]
-                break
-            state["best_val"] = min(state["best_val"], last_val)
-            state["last_val"] = last_val
-            threshold = tc.cl_threshold
-            crossed = threshold is not None and state["cl_step"] is None and last_val <= threshold
-            if crossed:
-                state["cl_step"] = state["step"]
-            rngs = ctx.gather(rng_state(gen))  # every rank's data stream, for an exact resume
-            if ctx.rank == 0:
-                tracker.record("eval", state["step"], _eval_record(run_dir, cfg, state, loss_sum, mult, last_val))
-                if crossed:
-                    save_weights(run_dir / "cl_model.safetensors", model, {
-                        "step": str(state["step"]), "val_loss": repr(last_val), "threshold": repr(threshold)})
-                if regular:
-                    _save(ckpt, cfg, model, optimizers, rngs, state)
-                    if tc.keep_history:
-                        _keep(ckpt, run_dir, state["step"])
-            if tc.stop_at_cl and state["cl_step"] is not None:
-                break
-    summary = _summarise(run_dir, cfg, state, optimizers, info, status, diverged_step, reason, last_val)
-    if ctx.rank == 0:
-        if status == "done":
-            save_weights(run_dir / "model.safetensors", model)
-        _add_qat_degradation(summary, cfg, run_dir)
-        atomic_write_json(run_dir / "summary.json", summary)
-        ckpt.unlink(missing_ok=True)  # the final weights and summary supersede it
-    tracker.record("summary", state["step"], summary)
-    tracker.close()
-    dist.teardown(ctx)
-    return summary
+    return _Loop(cfg, run_dir, ctx, model, ddp_model, run_model, eval_model, optimizers, data.train, val, gen,
+                 tracker, total_steps(cfg, model), use_bf16(tc.precision, ctx.device),
+                 tc.diverge_factor * math.log(cfg.model.vocab_size), run_dir / "checkpoint.safetensors")
 
 
-def _resume(ckpt: Path, cfg: RunConfig, model: nn.Module, optimizers: list, gen: torch.Generator,
-            ctx) -> dict[str, Any]:
-    """The loop state: fresh, or restored with the model, optimizers and every RNG from `ckpt`."""
+def _micro(cfg: RunConfig, ctx: dist.Context) -> int:
+    """Sequences per forward pass: the batch split over accumulation steps and processes."""
+    return cfg.train.batch_size // (cfg.train.grad_accum * ctx.world_size)
+
+
+def _resume(r: _Loop) -> dict[str, Any]:
+    """The loop state: fresh, or restored with the model, optimizers and every RNG from the checkpoint."""
+    ckpt = r.ckpt
     if not ckpt.exists():
         return {"step": 0, "best_val": math.inf, "cl_step": None, "train_time": 0.0, "timed_steps": 0}
-    saved = load_checkpoint(ckpt, model)
-    _load_optimizer_states(ckpt, cfg, optimizers, saved)
+    saved = load_checkpoint(ckpt, r.model)
+    _load_optimizer_states(ckpt, r.cfg, r.optimizers, saved)
     rngs = saved["rng"] if isinstance(saved["rng"], list) else [saved["rng"]]
-    if len(rngs) != ctx.world_size:
+    if len(rngs) != r.ctx.world_size:
         raise OptquantError(f"{ckpt} was written by {len(rngs)} process(es); resume it with as many "
                             f"(torchrun --nproc_per_node={len(rngs)})")
-    set_rng_state(rngs[ctx.rank], gen)
+    set_rng_state(rngs[r.ctx.rank], r.gen)
     log.info("resumed %s at step %d", ckpt.parent.name, saved["loop"]["step"])
     return saved["loop"]
 
 
-def _save(ckpt: Path, cfg: RunConfig, model: nn.Module, optimizers: list, rngs: list, state: dict) -> None:
-    save_checkpoint(ckpt, model, {"optimizers": [o.state_dict() for o in optimizers],
-                                  "optimizer": cfg.optim.name, "rng": rngs, "loop": state})
-
-
-def _forward_backward(cfg: RunConfig, ctx, ddp_model: nn.Module, run_model: nn.Module, tokens, micro: int,
-                      gen: torch.Generator, bf16: bool) -> float:
-    """One optimizer step's gradients over grad_accum micro-batches; returns the mean loss over ranks."""
-    device, accum, loss_sum = ctx.device, cfg.train.grad_accum, 0.0
+def _forward_backward(r: _Loop, mult: float) -> float:
+    """Set the step's lr; one optimizer step's gradients over grad_accum micro-batches; returns the mean
+    loss over ranks."""
+    for opt in r.optimizers:
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * mult
+    cfg, device = r.cfg, r.ctx.device
+    accum, micro, loss_sum = cfg.train.grad_accum, _micro(cfg, r.ctx), 0.0
     for i in range(accum):
-        x, y = get_batch(tokens, micro, cfg.model.seq_len, gen)
-        with ctx.no_sync(ddp_model, last=i == accum - 1), autocast(device, bf16):
-            loss = lm_loss(run_model, x.to(device), y.to(device)) / accum
+        x, y = get_batch(r.tokens, micro, cfg.model.seq_len, r.gen)
+        with r.ctx.no_sync(r.ddp_model, last=i == accum - 1), autocast(device, r.bf16):
+            loss = lm_loss(r.run_model, x.to(device), y.to(device)) / accum
         loss.backward()
         loss_sum += loss.item()
-    return ctx.mean(loss_sum)
+    return r.ctx.mean(loss_sum)
 
 
-def _summarise(run_dir: Path, cfg: RunConfig, state: dict, optimizers: list, info: dict, status: str,
-               diverged_step: int | None, reason: str | None, last_val: float | None) -> dict[str, Any]:
+def _log_step(r: _Loop, state: dict, on_step: Callable[[dict], None] | None, record: dict, t0: float) -> None:
+    """The progress callback (mean throughput so far) and the tracker (this step's throughput)."""
+    per_step = r.cfg.train.batch_size * r.cfg.model.seq_len
+    if on_step is not None and r.ctx.rank == 0:
+        on_step({"step": state["step"], "total": r.steps, **record,
+                 "tokens_per_s": per_step * state["timed_steps"] / state["train_time"]})
+    r.tracker.step(state["step"], {**record, "tokens_per_s": per_step / (time.perf_counter() - t0)})
+
+
+def _regular(tc: TrainConfig, state: dict, steps: int) -> bool:
+    """An evaluation every eval_every steps and at the end; each one saves the resumable checkpoint."""
+    return state["step"] % tc.eval_every == 0 or state["step"] == steps
+
+
+def _evaluate_and_checkpoint(r: _Loop, state: dict, loss: float, mult: float) -> str | None:
+    """The validation loss (fp32; the same on every rank, so every rank breaks alike) into metrics.jsonl;
+    the Common-Loss model at the first evaluation at or below the threshold; the resumable checkpoint at
+    regular evaluations. Returns why the run diverged, else None."""
+    cfg, ctx, step = r.cfg, r.ctx, state["step"]
+    val = ctx.mean(validation_loss(r.eval_model, r.val))
+    if (reason := divergence("val loss", val, r.bound)) is not None:
+        return reason
+    state["best_val"] = min(state["best_val"], val)
+    state["last_val"] = val
+    threshold = cfg.train.cl_threshold
+    crossed = threshold is not None and state["cl_step"] is None and val <= threshold
+    if crossed:
+        state["cl_step"] = step
+    rngs = ctx.gather(rng_state(r.gen))  # every rank's data stream, for an exact resume
+    if ctx.rank == 0:
+        r.tracker.record("eval", step, _eval_record(r.run_dir, cfg, state, loss, mult, val))
+        if crossed:
+            save_weights(r.run_dir / "cl_model.safetensors", r.model, {
+                "step": str(step), "val_loss": repr(val), "threshold": repr(threshold)})
+    if _regular(cfg.train, state, r.steps):
+        _checkpoint(r, state, rngs, keep=cfg.train.keep_history)
+    return None
+
+
+def _checkpoint(r: _Loop, state: dict, rngs: list, keep: bool) -> None:
+    """Rank 0 writes the resumable checkpoint (and, with `keep`, keeps this step's copy in history/)."""
+    if r.ctx.rank != 0:
+        return
+    save_checkpoint(r.ckpt, r.model, {"optimizers": [o.state_dict() for o in r.optimizers],
+                                      "optimizer": r.cfg.optim.name, "rng": rngs, "loop": state})
+    if keep:
+        _keep(r.ckpt, r.run_dir, state["step"])
+
+
+def _finish(r: _Loop, state: dict, ended: tuple[int, str] | None) -> dict[str, Any]:
+    """The summary; rank 0 writes the final weights (unless diverged) and summary.json, which supersede
+    the checkpoint."""
+    summary = _summarise(r, state, ended)
+    if r.ctx.rank == 0:
+        if ended is None:
+            save_weights(r.run_dir / "model.safetensors", r.model)
+        _add_qat_degradation(summary, r.cfg, r.run_dir)
+        atomic_write_json(r.run_dir / "summary.json", summary)
+        r.ckpt.unlink(missing_ok=True)
+    r.tracker.record("summary", state["step"], summary)
+    r.tracker.close()
+    return summary
+
+
+def _summarise(r: _Loop, state: dict, ended: tuple[int, str] | None) -> dict[str, Any]:
+    cfg, model, optimizers = r.cfg, r.model, r.optimizers
+    diverged_step, reason = ended or (None, None)
     summary = {
-        "run_id": run_dir.name, "status": status, "diverged_step": diverged_step, "diverged_reason": reason,
+        "run_id": r.run_dir.name, "status": "done" if ended is None else "diverged",
+        "diverged_step": diverged_step, "diverged_reason": reason,
         "steps": state["step"],
-        "final_val_loss": last_val if status == "done" else None,
+        "final_val_loss": state.get("last_val") if ended is None else None,
         "best_val_loss": state["best_val"] if math.isfinite(state["best_val"]) else None,
         "cl_threshold": cfg.train.cl_threshold, "cl_step": state["cl_step"],
         "optimizer": cfg.optim.name, "lr": cfg.optim.lr, "qat": cfg.qat.method if cfg.qat else None,
@@ -254,9 +310,10 @@ def _summarise(run_dir: Path, cfg: RunConfig, state: dict, optimizers: list, inf
         "ns_dtype": ns_dtype(optimizers),  # Muon's/Scion's Newton–Schulz: "bf16", "fp32", or None
         "eigh_retries": sum(getattr(o, "eigh_retries", 0) for o in optimizers),  # Shampoo's fp64 retries
         "mean_step_seconds": state["train_time"] / max(1, state["timed_steps"]),
-        **info,
+        "n_params": count_params(model), "n_params_non_embedding": count_params(model, False),
+        "total_steps": r.steps, "bf16": r.bf16, "tokens_per_step": cfg.train.batch_size * cfg.model.seq_len,
     }
-    summary["tokens_per_s"] = info["tokens_per_step"] / summary["mean_step_seconds"]
+    summary["tokens_per_s"] = summary["tokens_per_step"] / summary["mean_step_seconds"]
     return summary
 
 
@@ -312,14 +369,6 @@ def _load_optimizer_states(ckpt: Path, cfg: RunConfig, optimizers: list, saved: 
                             "delete it to train this run from scratch") from None
 
 
-def _tracker(cfg: RunConfig, run_dir: Path, rank: int):
-    """The run's experiment tracker (optquant.tracking; a no-op one unless log.to is set, and off rank 0)."""
-    from optquant.config import to_dict
-    from optquant.tracking import Tracker, open_tracker
-
-    return open_tracker(cfg.log, run_dir, to_dict(cfg)) if rank == 0 else Tracker()
-
-
 def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: float,
                  val_loss: float) -> dict:
     record = {"step": state["step"], "train_loss": loss, "val_loss": val_loss,
@@ -327,15 +376,6 @@ def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: 
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
     return record
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop evaluations after the checkpoint we resume from, and a last line cut short by a crash: they
-    will be recomputed identically. Rewritten atomically, so a crash here loses nothing."""
-    if not path.exists():
-        return
-    keep = [r for r in parse_metrics(path) if r["step"] <= step]
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 def _add_qat_degradation(summary: dict, cfg: RunConfig, run_dir: Path) -> None:

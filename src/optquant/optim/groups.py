@@ -3,13 +3,20 @@
 - embeddings: the input embedding (= tied LM head) and an untied LM head, if any;
 - vectors: every parameter with ndim != 2 (RMSNorm gains, the (1, H, 1, 1) QK scales);
 - matrices: every other 2-D parameter, i.e. the hidden q/k/v/o and MLP weights inside the blocks.
+
+Also the two steps every `Optimizer.step` written here begins with: the closure's loss, and a group's
+parameters that have a gradient.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
+
+from optquant.errors import OptquantError
 
 
 @dataclass(frozen=True)
@@ -34,3 +41,20 @@ def split_params(model: nn.Module) -> ParamGroups:
         else:
             matrices.append(p)
     return ParamGroups(embeddings, vectors, matrices)
+
+
+def closure_loss(closure: Callable[[], Tensor] | None) -> Tensor | None:
+    """torch.optim's `step(closure)`: the closure re-evaluates the loss with gradients on (a step runs
+    under no_grad); None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def dense_params(group: dict, who: str) -> list[Tensor]:
+    """The group's parameters that have a gradient; a sparse gradient or a complex parameter is refused."""
+    params = [p for p in group["params"] if p.grad is not None]
+    if any(p.grad.is_sparse or torch.is_complex(p) for p in params):
+        raise OptquantError(f"{who} supports dense real parameters only")
+    return params

@@ -25,9 +25,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from optquant.errors import OptquantError
-from optquant.optim.groups import ParamGroups
-from optquant.optim.newton_schulz import DTYPES, newton_schulz_many, resolve_ns_dtype
+from optquant.optim.groups import ParamGroups, closure_loss, dense_params
+from optquant.optim.newton_schulz import DTYPES, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
 
 
 def momentum_direction(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
@@ -48,27 +47,18 @@ class Muon(torch.optim.Muon):
     """`torch.optim.Muon` whose Newton–Schulz runs in each group's `ns_dtype` ("bf16": torch's own step)."""
 
     def __init__(self, params, ns_dtype: Literal["bf16", "fp32"] = "bf16", **kwargs):
-        if ns_dtype not in DTYPES:
-            raise OptquantError(f"Muon ns_dtype must be bf16 or fp32, got {ns_dtype!r}")
         super().__init__(params, **kwargs)
-        self.defaults["ns_dtype"] = ns_dtype
-        for group in self.param_groups:
-            group.setdefault("ns_dtype", ns_dtype)
+        set_ns_dtype_(self, ns_dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, weight_decay = group["lr"], group["weight_decay"]
             dtype = DTYPES[group.setdefault("ns_dtype", self.defaults["ns_dtype"])]  # older checkpoints: bf16
-            params = [p for p in group["params"] if p.grad is not None]
+            params = dense_params(group, "Muon")
             directions = []
             for p in params:
-                if p.grad.is_sparse or torch.is_complex(p):
-                    raise OptquantError("Muon supports dense real parameters only")
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)

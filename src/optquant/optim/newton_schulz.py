@@ -67,3 +67,12 @@ def resolve_ns_dtype(setting: str, params: list[Tensor]) -> str:
         raise OptquantError(f"ns_dtype must be auto, bf16 or fp32, got {setting!r}")
     device = params[0].device if params else torch.device("cpu")
     return "bf16" if use_bf16(setting, device) else "fp32"
+
+
+def set_ns_dtype_(opt: torch.optim.Optimizer, ns_dtype: str) -> None:
+    """Make `ns_dtype` ("bf16" or "fp32") the optimizer's default and that of every group without its own."""
+    if ns_dtype not in DTYPES:
+        raise OptquantError(f"{type(opt).__name__} ns_dtype must be bf16 or fp32, got {ns_dtype!r}")
+    opt.defaults["ns_dtype"] = ns_dtype
+    for group in opt.param_groups:
+        group.setdefault("ns_dtype", ns_dtype)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from pytorch_optimizer import Kron as _LibKron
 
-from optquant.optim.groups import ParamGroups
+from optquant.optim.groups import ParamGroups, closure_loss
 
 _DTYPE_KEYS = ("mu_dtype", "precondition_dtype")
 
@@ -40,10 +40,7 @@ class Kron(_LibKron):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:  # outside the forked RNG: the closure's randomness is the caller's
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)  # outside the forked RNG: the closure's randomness is the caller's
         first = self.param_groups[0]
         seed, step = first.get("rng_seed", 0), first.get("step", 0)
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []

@@ -29,9 +29,8 @@ import torch
 from pytorch_optimizer import SCION
 from pytorch_optimizer.optimizer.scion import LMONorm, Norm, Spectral
 
-from optquant.errors import OptquantError
 from optquant.optim.groups import ParamGroups
-from optquant.optim.newton_schulz import DTYPES, newton_schulz, newton_schulz_many, resolve_ns_dtype
+from optquant.optim.newton_schulz import DTYPES, newton_schulz, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
 
 GAIN_SIGN = 8  # the authors' norm_type for the vector group
 
@@ -74,12 +73,8 @@ class Scion(SCION):
     runs in the group's `ns_dtype`."""
 
     def __init__(self, params, ns_dtype: Literal["bf16", "fp32"] = "bf16", **kwargs):
-        if ns_dtype not in DTYPES:
-            raise OptquantError(f"Scion ns_dtype must be bf16 or fp32, got {ns_dtype!r}")
         super().__init__(params, **kwargs)
-        self.defaults["ns_dtype"] = ns_dtype
-        for group in self.param_groups:
-            group.setdefault("ns_dtype", ns_dtype)
+        set_ns_dtype_(self, ns_dtype)
 
     def _norm(self, group, norm: Norm) -> Norm:
         if group["norm_type"] == GAIN_SIGN:

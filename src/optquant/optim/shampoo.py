@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from optquant.errors import OptquantError
-from optquant.optim.groups import ParamGroups
+from optquant.optim.groups import ParamGroups, closure_loss, dense_params
 
 log = logging.getLogger(__name__)
 MAX_FAILED_ROOTS = 3  # DistributedShampoo's num_tolerated_failed_amortized_computations
@@ -233,16 +233,9 @@ class Shampoo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse or torch.is_complex(p):
-                    raise OptquantError("Shampoo supports dense real parameters only")
+            for p in dense_params(group, "Shampoo"):
                 state = self.state[p]
                 if not state:
                     state.update(self._init_state(p, group))

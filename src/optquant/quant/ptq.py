@@ -134,12 +134,6 @@ SCHEMES: dict[str, PTQConfig] = {
 }
 
 
-def fake_quant_activation(x: Tensor, cfg: PTQConfig) -> Tensor:
-    """The activation quantization `cfg` applies to a layer input (identity when a_bits = 16)."""
-    spec = cfg.act_spec
-    return x if spec is None else fake_quant(x, spec)
-
-
 @torch.no_grad()
 def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None = None) -> nn.Module:
     """Quantize `model` in place with `cfg`; returns it.

@@ -241,14 +241,6 @@ def prepare_qat_(model: nn.Module, cfg: QATConfig) -> nn.Module:
     return model
 
 
-def set_quantization_(model: nn.Module, enabled: bool) -> nn.Module:
-    """Switch the rounding of every QATLinear on or off (rotations stay); in place."""
-    for m in model.modules():
-        if isinstance(m, QATLinear):
-            m.quantize = enabled
-    return model
-
-
 def relative_degradation(fp: float, qat: float, kind: Literal["accuracy", "loss"] = "accuracy") -> float:
     """QAT's relative damage in %, positive when QAT is worse (paper.md §10.4).
 

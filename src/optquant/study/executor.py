@@ -82,7 +82,8 @@ def timed_job(job: Job) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def done_result(job: Job) -> dict[str, Any] | None:
     """The result of a job whose outputs already exist (read from its files), else None."""
-    from optquant.analysis import AnalysisConfig, read_json, read_result
+    from optquant.analysis import AnalysisConfig, read_result
+    from optquant.files import read_json
     from optquant.runs import read_summary
 
     if job.kind == "train":
@@ -142,7 +143,7 @@ def cost_record(job: Job, timing: dict[str, Any], workers: int) -> dict[str, Any
     stage, optimizer, size = job.kind, None, None
     try:
         cfg = _run_config(job)
-        optimizer, size = cfg.optim.name, cfg.name.rsplit("-", 1)[-1]
+        optimizer, size = cfg.optim.name, cfg.preset or None  # None: a run from before configs had it
         if job.kind == "train":
             stage = "qat" if cfg.qat is not None else "cl" if cfg.train.cl_threshold is not None else "fp"
     except Exception:

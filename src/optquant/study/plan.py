@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from optquant.analysis import AnalysisConfig, covers, out_dir, scheme_config
-from optquant.checkpoint import atomic_write_json, atomic_write_text, read_json
+from optquant.checkpoint import atomic_write_json, atomic_write_text
 from optquant.config import RunConfig, apply_overrides, run_preset, to_dict
+from optquant.files import read_json
 from optquant.harness import HarnessConfig, task_manager
 from optquant.runs import read_config, read_metrics, run_dir
 from optquant.study.bracket import bracket, extensions, refinement

@@ -29,9 +29,9 @@ import numpy as np
 import pandas as pd
 
 from optquant.analysis import AnalysisConfig, read_result, write_parquet
-from optquant.checkpoint import atomic_write_json, read_json
+from optquant.checkpoint import atomic_write_json
 from optquant.errors import OptquantError
-from optquant.files import read_parquet
+from optquant.files import read_json, read_parquet
 from optquant.metrics.correlate import correlate
 from optquant.metrics.outliers import OUTLIER_METRICS
 from optquant.runs import read_config, read_summary

@@ -1,0 +1,106 @@
+"""`optquant ptq` (the damage: val loss, MC accuracy) and `optquant analyze` (outliers, ABC) of one run or
+a local Hugging Face model (--hf)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from optquant.errors import OptquantError
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("ptq", help="quantize a trained run and measure the damage (val loss, MC accuracy)",
+                       description="Post-training quantization of a run's model; the paper's scheme is "
+                       "the default (W4A4 symmetric absmax RTN, weights per channel, activations per token).")
+    _add_flags(p)
+    p.set_defaults(func=_quantized)
+    p = sub.add_parser("analyze", help="outlier metrics (MMR, kurtosis) and the ABC error propagation",
+                       description="Per-layer MMR/kurtosis of the FP model and the ABC decomposition "
+                       "(R, A, B, C, gains G, G1, G2 per module) against its quantized copy.")
+    _add_flags(p)
+    p.set_defaults(func=_quantized)
+
+
+def _add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", type=Path, nargs="?", help="a finished run directory (from optquant train), or use --hf")
+    p.add_argument("--method", choices=["rtn", "gptq"], default="rtn")
+    p.add_argument("--w-bits", type=int, default=4, help="weight bits (16 = not quantized)")
+    p.add_argument("--a-bits", type=int, default=4, help="activation bits (16 = weight-only)")
+    p.add_argument("--format", choices=["int", "mxfp4", "nvfp4"], default="int")
+    p.add_argument("--grid", choices=["sym", "sym8", "odd", "asym"], default="sym",
+                   help="integer grid: sym [-7,7] (default), sym8 [-8,7], odd (16 levels, no zero), asym")
+    p.add_argument("--group-size", type=int, default=0, help="weight group size (0 = per output channel)")
+    p.add_argument("--rotation", choices=["none", "hadamard"], default="none")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian")
+    p.add_argument("--quantize-head", action="store_true", help="also quantize the LM head")
+    p.add_argument("--weights", choices=["final", "cl"], default="final",
+                   help="final weights or the Common-Loss checkpoint")
+    p.add_argument("--mc-items", type=int, default=200, help="multiple-choice items (0 = skip)")
+    _add_hf_flags(p)
+
+
+def _add_hf_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Hugging Face models (needs pip install 'optquant[hf]')")
+    g.add_argument("--hf", type=Path, metavar="PATH", help="analyse a local Hugging Face causal LM folder "
+                   "(Llama, Mistral, Qwen2, Qwen3, OLMo2) instead of a run; nothing is downloaded")
+    g.add_argument("--data", default="embedded", metavar="SRC", help="with --hf: the text to evaluate on, "
+                   "encoded with the folder's tokenizer (default: the embedded corpus; or .txt/.jsonl/.parquet)")
+    g.add_argument("--seq-len", type=int, default=128, help="with --hf: tokens per window (default 128)")
+    g.add_argument("--out", type=Path, help="with --hf: output directory (default: hf-analysis/<folder name>)")
+
+
+def _ptq_config(args: argparse.Namespace):
+    from optquant.quant.ptq import PTQConfig
+
+    return PTQConfig(method=args.method, w_bits=args.w_bits, a_bits=args.a_bits, format=args.format,
+                     grid=args.grid, w_group_size=args.group_size, quantize_head=args.quantize_head,
+                     rotation=args.rotation, act_order=args.act_order)
+
+
+def _analysis_config(args: argparse.Namespace):
+    from optquant.analysis import AnalysisConfig
+
+    return AnalysisConfig(weights=args.weights, mc_items=args.mc_items)
+
+
+def _hf_quant(args: argparse.Namespace, what: str) -> int:
+    """`ptq --hf PATH` / `analyze --hf PATH`: the same analyses on a local Hugging Face causal LM."""
+    from optquant.data import DataConfig
+    from optquant.hf.analysis import HFSource, default_out, hf_analyze, hf_ptq_eval
+
+    if args.run_dir is not None:
+        raise OptquantError(f"{what}: give a run directory or --hf PATH, not both")
+    if args.weights != "final":
+        raise OptquantError(f"{what} --hf: --weights applies to optquant runs only")
+    qcfg, acfg = _ptq_config(args), _analysis_config(args)
+    src = HFSource(args.hf, DataConfig(source=args.data), seq_len=args.seq_len)
+    out = args.out or default_out(args.hf)
+    result = (hf_ptq_eval if what == "ptq" else hf_analyze)(src, qcfg, acfg, out)
+    print(json.dumps(result, indent=2))
+    print(f"written: {out / qcfg.name}/")
+    return 0
+
+
+def _quantized(args: argparse.Namespace) -> int:
+    """`optquant ptq` (damage: summary.json) or `optquant analyze` (outliers + ABC) of one run or HF model."""
+    from optquant.analysis import analyze, out_dir, ptq_eval
+    from optquant.runs import locked
+
+    what = args.command
+    if args.hf is not None:
+        return _hf_quant(args, what)
+    if args.run_dir is None:
+        raise OptquantError(f"{what}: give a run directory (from optquant train) or --hf PATH")
+    qcfg, acfg = _ptq_config(args), _analysis_config(args)
+    if not (args.run_dir / "config.json").is_file():
+        raise OptquantError(f"{args.run_dir}: not a run directory (no config.json; give a directory made by "
+                            "optquant train)")
+    out = out_dir(args.run_dir, acfg, qcfg.name)
+    with locked(out, wait=False):
+        result = (ptq_eval if what == "ptq" else analyze)(args.run_dir, qcfg, acfg)
+    print(json.dumps(result, indent=2))
+    written = "summary.json" if what == "ptq" else "{analysis.json,outliers.parquet,propagation.parquet}"
+    print(f"written: {out}/{written}")
+    return 0
