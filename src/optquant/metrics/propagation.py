@@ -168,7 +168,7 @@ class _Sums:
         self.tok = dict.fromkeys(TERMS, 0.0)
         self.ten = dict.fromkeys(("d", "a", "b", "ab", "y", "din", "hin"), 0.0)
         self.n = 0
-        self.lin = dict.fromkeys(("MdH", "dH", "WH", "H"), 0.0)
+        self.MdH = 0.0  # linear rows: Σ‖MΔH‖² (§7.5); ‖WH‖², ‖H‖², ‖ΔH‖² are the sums y, hin, din
 
     def add(self, h: Tensor, hq: Tensor, ys: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
         self.add_rows(input_rows(h, hq), output_rows(ys))
@@ -183,13 +183,9 @@ class _Sums:
         self.tok["R_in"] += (sq["din"] / sq["hin"]).sum().item()
         self.n += sq["y"].shape[0]
 
-    def add_linear(self, W: Tensor, Wq: Tensor, h: Tensor, hq: Tensor) -> None:
-        M = 0.5 * (W.double() + Wq.double())
-        H, dH = _rows2d(h), _rows2d(hq) - _rows2d(h)
-        self.lin["MdH"] += (dH @ M.T).square().sum().item()
-        self.lin["dH"] += dH.square().sum().item()
-        self.lin["WH"] += (H @ W.double().T).square().sum().item()
-        self.lin["H"] += H.square().sum().item()
+    def gain_terms(self, spec_W: float, spec_M: float) -> tuple[float, float, float]:
+        t = self.ten
+        return gain_terms(spec_W, spec_M, self.MdH, t["din"], t["y"], t["hin"])
 
     def terms(self, norm: Norm) -> dict[str, float]:
         if norm == "token":
@@ -222,16 +218,20 @@ def gain_terms(spec_W: float, spec_M: float, sq_MdH: float, sq_dH: float, sq_WH:
 
 
 def spectral_norm(W: Tensor) -> float:
-    return torch.linalg.matrix_norm(W.detach().double(), ord=2).item()
+    """‖W‖₂ = √λ_max of the smaller Gram matrix, W Wᵀ or WᵀW: a symmetric eigenproblem, several times
+    cheaper than the SVD of a rectangular W and equal to it to ~1e-15."""
+    W = W.detach().double()
+    gram = W @ W.T if W.shape[0] <= W.shape[1] else W.T @ W
+    return torch.linalg.eigvalsh(gram)[-1].clamp(min=0).sqrt().item()
 
 
 def gain_split(W: Tensor, Wq: Tensor, h: Tensor, hq: Tensor) -> tuple[float, float, float]:
     """(G1, G2, G_lin) of a bias-free linear layer with weights W (FP) and Wq (quantized) on inputs
     h (FP chain) and hq (quantized chain), tensor norm."""
-    s = _Sums()
-    s.add_linear(W, Wq, h, hq)
     M = 0.5 * (W.double() + Wq.double())
-    return gain_terms(spectral_norm(W), spectral_norm(M), *s.lin.values())
+    H, dH = _rows2d(h), _rows2d(hq) - _rows2d(h)
+    sq = [x.square().sum().item() for x in (dH @ M.T, dH, H @ W.double().T, H)]
+    return gain_terms(spectral_norm(W), spectral_norm(M), *sq)
 
 
 @dataclass
@@ -270,6 +270,12 @@ def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
     return links
 
 
+def _midpoints(fp: nn.Module, q: nn.Module, names: list[str]) -> dict[str, Tensor]:
+    """M = W + ½ε^W = ½(W + W^q) in fp64 for each linear whose FP and quantized weights match in shape."""
+    Ws = {n: (fp.get_submodule(n).weight, q.get_submodule(n).weight) for n in names}
+    return {n: 0.5 * (W.double() + Wq.double()) for n, (W, Wq) in Ws.items() if W.shape == Wq.shape}
+
+
 def _pair(f: Callable, h: Tensor, hq: Tensor) -> tuple[Tensor, Tensor]:
     """(f(h), f(h^q)) from one call on the two inputs stacked along the batch (every module here acts
     on each sequence alone)."""
@@ -281,8 +287,8 @@ def _halves(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return x[:n], x[n:]
 
 
-def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums], inp: tuple[Tensor, Tensor],
-               work: Workspace) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums], Ms: dict[str, Tensor],
+               inp: tuple[Tensor, Tensor], work: Workspace) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
     """The four evaluations of one chain module (plus its linears), as two batched calls; returns the
     next (h, h^q) and their per-row input norms (this module's output norms: nothing is recomputed)."""
     fp_lin = {n: fp.get_submodule(n) for n in link.linears}
@@ -305,22 +311,20 @@ def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums]
                 lin_fq = fp_lin[n](xq)
             if not torch.equal(x_in_qh, x):
                 lin_qf = q_lin[n](x)
-            s = sums[n]
-            s.add_rows(input_rows(x, xq), output_rows((lin_ff, lin_fq, lin_qf, lin_qq), work))
-            if fp_lin[n].weight.shape == q_lin[n].weight.shape:
-                s.add_linear(fp_lin[n].weight, q_lin[n].weight, x, xq)
+            H = _rows2d(x)
+            dH = _rows2d(xq) - H
+            sums[n].add_rows((_sq(H), _sq(dH)), output_rows((lin_ff, lin_fq, lin_qf, lin_qq), work))
+            if n in Ms:
+                sums[n].MdH += _sq(dH @ Ms[n].T).sum().item()
     return y_ff, y_qq, (out["y"], out["d"])
 
 
-def _rows(links: list[_Link], sums: dict[str, _Sums], fp, q) -> list[ABCRow]:
+def _rows(links: list[_Link], sums: dict[str, _Sums], Ms: dict[str, Tensor], fp) -> list[ABCRow]:
     rows: list[ABCRow] = []
     for idx, link in enumerate(links, start=1):
         for n in link.linears:
-            W, Wq = fp.get_submodule(n).weight, q.get_submodule(n).weight
-            split = (math.nan,) * 3
-            if W.shape == Wq.shape:
-                spec = (spectral_norm(W), spectral_norm(0.5 * (W.double() + Wq.double())))
-                split = gain_terms(*spec, *sums[n].lin.values())
+            split = sums[n].gain_terms(spectral_norm(fp.get_submodule(n).weight), spectral_norm(Ms[n])) \
+                if n in Ms else (math.nan,) * 3
             for norm in ("token", "tensor"):
                 t = sums[n].terms(norm)
                 extra = split if norm == "tensor" else ()
@@ -356,6 +360,7 @@ def propagation(
     """
     links = _chain(fp, q, cfg)
     sums = {n: _Sums() for link in links for n in (*link.linears, link.name)}
+    Ms = _midpoints(fp, q, [n for link in links for n in link.linears])
     modes = fp.training, q.training
     fp.eval(), q.eval()
     try:
@@ -365,10 +370,10 @@ def propagation(
             h, hq = fp.embed(idx), q.embed(idx)
             inp = input_rows(h, hq)
             for link in links:
-                h, hq, inp = _step_link(fp, q, link, h, hq, sums, inp, work)
+                h, hq, inp = _step_link(fp, q, link, h, hq, sums, Ms, inp, work)
     finally:
         fp.train(modes[0]), q.train(modes[1])
-    rows = _rows(links, sums, fp, q)
+    rows = _rows(links, sums, Ms, fp)
     return rows, summarize(rows, cfg.norm)
 
 
