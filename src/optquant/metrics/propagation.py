@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from optquant.errors import OptquantError
 from optquant.metrics.capture import capture
-from optquant.quant.layers import linear_layers
+from optquant.quant.layers import QuantLinear, linear_layers
 from optquant.quant.ptq import PTQConfig, quantize_
 from optquant.quant.rotate import rotate_model_
 
@@ -151,14 +151,27 @@ def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor], work: Workspace | Non
     2⟨a,b⟩ = ½(‖u‖² − ‖v‖²): three row reductions instead of materialising a and b (equal up to
     rounding, ~1e-16 of ‖u‖² + ‖v‖²)."""
     rows = tuple(ys[0].reshape(-1, ys[0].shape[-1]).shape)
-    ff, fq, qf, qq, u, v = (work or Workspace()).get(rows, ys[0].device)
-    ff, fq, qf, qq = (y.reshape(rows) if y.dtype == torch.float64 else buf.copy_(y.reshape(rows))
-                      for buf, y in zip((ff, fq, qf, qq), ys, strict=True))
-    torch.sub(qq, ff, out=u)
-    torch.sub(fq, qf, out=v)
-    uu, vv, uv = _sq(u), _sq(v), _dot(u, v)
+    bufs = (work or Workspace()).get(rows, ys[0].device)
+    ff, fq, qf, qq = _as64(ys, bufs[:4], rows)
+    u = torch.sub(qq, ff, out=bufs[4])
+    if qf is ff and qq is fq:  # f^q = f (e.g. an unquantized head): v = u, a = Δy, b = 0
+        uu = vv = uv = _sq(u)
+    else:
+        v = torch.sub(fq, qf, out=bufs[5])
+        uu, vv, uv = _sq(u), _sq(v), _dot(u, v)
     return {"d": uu, "y": _sq(ff), "a": 0.25 * (uu + vv + 2 * uv), "b": 0.25 * (uu + vv - 2 * uv),
             "ab": 0.5 * (uu - vv)}
+
+
+def _as64(ys: tuple[Tensor, ...], bufs: list[Tensor], rows: tuple[int, int]) -> list[Tensor]:
+    """`ys` as fp64 (rows, width) tensors, copied into `bufs`; views of the same data are copied once
+    and come back as one tensor (an evaluation that two of the four share)."""
+    done: dict[tuple, Tensor] = {}
+    for y, buf in zip(ys, bufs, strict=True):
+        key = (y.data_ptr(), y.shape, y.stride(), y.dtype)
+        if key not in done:
+            done[key] = y.reshape(rows) if y.dtype == torch.float64 else buf.copy_(y.reshape(rows))
+    return [done[(y.data_ptr(), y.shape, y.stride(), y.dtype)] for y in ys]
 
 
 class _Sums:
@@ -241,6 +254,7 @@ class _Link:
     f: Callable[[Tensor], Tensor]
     fq: Callable[[Tensor], Tensor]
     linears: list[str]  # qualified names of the quantized linears inside this module
+    same: bool  # fq computes exactly f (nothing quantized inside): f^q(x) = f(x) is not evaluated again
 
 
 def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
@@ -251,11 +265,11 @@ def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
     if len(subs) != len(subs_q):
         raise OptquantError(f"propagation: fp has {len(subs)} sublayers but q has {len(subs_q)}")
     names = {id(m): n for n, m in fp.named_modules()}
-    links = [_Link(names[id(s)], "sublayer", s, sq, []) for s, sq in zip(subs, subs_q, strict=True)]
+    links = [_Link(names[id(s)], "sublayer", s, sq, [], _same((s,), (sq,))) for s, sq in zip(subs, subs_q, strict=True)]
     if cfg.final == "logits":
-        links.append(_Link("head", "final", fp.head, q.head, []))
+        links.append(_Link("head", "final", fp.head, q.head, [], _same((fp.norm, fp.lm_head), (q.norm, q.lm_head))))
     elif cfg.final == "norm":
-        links.append(_Link("norm", "final", fp.norm, q.norm, []))
+        links.append(_Link("norm", "final", fp.norm, q.norm, [], _same((fp.norm,), (q.norm,))))
     elif cfg.final != "none":
         raise OptquantError(f"propagation: final must be logits|norm|none, got {cfg.final!r}")
     if cfg.granularity == "linear":
@@ -270,6 +284,16 @@ def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
     return links
 
 
+def _same(fp_parts: tuple[nn.Module, ...], q_parts: tuple[nn.Module, ...]) -> bool:
+    """Whether the quantized module computes exactly the FP one: the same layer types, none quantized,
+    and equal parameters and buffers (the head when lm_head is left in FP, as PTQ does by default)."""
+    mods = [[m for part in parts for m in part.modules()] for parts in (fp_parts, q_parts)]
+    if [type(m) for m in mods[0]] != [type(m) for m in mods[1]] or any(isinstance(m, QuantLinear) for m in mods[1]):
+        return False
+    ts = [[t for part in parts for t in (*part.parameters(), *part.buffers())] for parts in (fp_parts, q_parts)]
+    return len(ts[0]) == len(ts[1]) and all(torch.equal(a, b) for a, b in zip(*ts, strict=True))
+
+
 def _midpoints(fp: nn.Module, q: nn.Module, names: list[str]) -> dict[str, Tensor]:
     """M = W + ½ε^W = ½(W + W^q) in fp64 for each linear whose FP and quantized weights match in shape."""
     Ws = {n: (fp.get_submodule(n).weight, q.get_submodule(n).weight) for n in names}
@@ -278,13 +302,17 @@ def _midpoints(fp: nn.Module, q: nn.Module, names: list[str]) -> dict[str, Tenso
 
 def _pair(f: Callable, h: Tensor, hq: Tensor) -> tuple[Tensor, Tensor]:
     """(f(h), f(h^q)) from one call on the two inputs stacked along the batch (every module here acts
-    on each sequence alone)."""
-    y = f(torch.cat((h, hq)))
-    return y[: h.shape[0]], y[h.shape[0]:]
+    on each sequence alone); one call on h when h^q = h (the first module: both chains start from the
+    same embedding)."""
+    if torch.equal(h, hq):
+        y = f(h)
+        return y, y
+    return _halves(f(torch.cat((h, hq))), h.shape[0])
 
 
 def _halves(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    return x[:n], x[n:]
+    """The two halves of a stacked call's tensor; twice the tensor itself when the call was not stacked."""
+    return (x, x) if x.shape[0] == n else (x[:n], x[n:])
 
 
 def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums], Ms: dict[str, Tensor],
@@ -295,8 +323,11 @@ def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums]
     q_lin = {n: q.get_submodule(n) for n in link.linears}
     with capture(fp, fp_lin, outputs=True) as acts_f:
         y_ff, y_fq = _pair(link.f, h, hq)
-    with capture(q, q_lin, outputs=True) as acts_q:
-        y_qf, y_qq = _pair(link.fq, h, hq)
+    if link.same:
+        (y_qf, y_qq), acts_q = (y_ff, y_fq), acts_f
+    else:
+        with capture(q, q_lin, outputs=True) as acts_q:
+            y_qf, y_qq = _pair(link.fq, h, hq)
     out = output_rows((y_ff, y_fq, y_qf, y_qq), work)
     sums[link.name].add_rows(inp, out)
     B = h.shape[0]
