@@ -124,8 +124,8 @@ def input_rows(h: Tensor, hq: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _dot(x: Tensor, y: Tensor) -> Tensor:
-    """Per-row ⟨x, y⟩ of 2-D tensors, as a batched matmul (no elementwise temporary)."""
-    return torch.einsum("ij,ij->i", x, y)
+    """Per-row ⟨x, y⟩ of 2-D tensors (no elementwise temporary)."""
+    return torch.linalg.vecdot(x, y)
 
 
 class Workspace:
@@ -168,10 +168,34 @@ def _as64(ys: tuple[Tensor, ...], bufs: list[Tensor], rows: tuple[int, int]) -> 
     and come back as one tensor (an evaluation that two of the four share)."""
     done: dict[tuple, Tensor] = {}
     for y, buf in zip(ys, bufs, strict=True):
-        key = (y.data_ptr(), y.shape, y.stride(), y.dtype)
-        if key not in done:
-            done[key] = y.reshape(rows) if y.dtype == torch.float64 else buf.copy_(y.reshape(rows))
-    return [done[(y.data_ptr(), y.shape, y.stride(), y.dtype)] for y in ys]
+        if _view(y) not in done:
+            done[_view(y)] = y.reshape(rows) if y.dtype == torch.float64 else buf.copy_(y.reshape(rows))
+    return [done[_view(y)] for y in ys]
+
+
+def _view(x: Tensor) -> tuple:
+    """What identifies a tensor's data: two tensors with equal keys hold the same values."""
+    return x.data_ptr(), x.shape, x.stride(), x.dtype
+
+
+def _equal(x: Tensor, y: Tensor) -> bool:
+    return _view(x) == _view(y) or torch.equal(x, y)
+
+
+class _Input:
+    """A linear layer's input in the two chains, x and x^q, as fp64 rows: ΔH = x^q − x, the row norms
+    (‖x‖², ‖ΔH‖²) and, on demand, ΔHᵀΔH."""
+
+    def __init__(self, x: Tensor, xq: Tensor) -> None:
+        H = _rows2d(x)
+        self.dH = _rows2d(xq) - H
+        self.rows = (_sq(H), _sq(self.dH))
+        self._gram: Tensor | None = None
+
+    def gram(self) -> Tensor:
+        if self._gram is None:
+            self._gram = self.dH.T @ self.dH
+        return self._gram
 
 
 class _Sums:
@@ -181,7 +205,9 @@ class _Sums:
         self.tok = dict.fromkeys(TERMS, 0.0)
         self.ten = dict.fromkeys(("d", "a", "b", "ab", "y", "din", "hin"), 0.0)
         self.n = 0
-        self.MdH = 0.0  # linear rows: Σ‖MΔH‖² (§7.5); ‖WH‖², ‖H‖², ‖ΔH‖² are the sums y, hin, din
+        # linear rows, §7.5: ‖MΔH‖² summed directly, or ΣΔHᵀΔH to take ⟨ΔHᵀΔH, MᵀM⟩ with at the end
+        # (see `add_gain`); ‖WH‖², ‖H‖², ‖ΔH‖² are this row's sums y, hin, din
+        self.MdH, self.dHdH = 0.0, 0.0
 
     def add(self, h: Tensor, hq: Tensor, ys: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
         self.add_rows(input_rows(h, hq), output_rows(ys))
@@ -196,9 +222,19 @@ class _Sums:
         self.tok["R_in"] += (sq["din"] / sq["hin"]).sum().item()
         self.n += sq["y"].shape[0]
 
-    def gain_terms(self, spec_W: float, spec_M: float) -> tuple[float, float, float]:
+    def add_gain(self, M: Tensor, x: _Input) -> None:
+        """Add ‖MΔH‖² of one batch. With in ≤ out it is ⟨ΔHᵀΔH, MᵀM⟩: ΔHᵀΔH costs N·in² instead of
+        N·in·out, q/k/v share it, and MᵀM is the Gram `spectral_norm` needs anyway."""
+        if M.shape[1] <= M.shape[0]:
+            self.dHdH = self.dHdH + x.gram()
+        else:
+            self.MdH += _sq(x.dH @ M.T).sum().item()
+
+    def gain_terms(self, W: Tensor, M: Tensor) -> tuple[float, float, float]:
+        gram_M = _gram(M)  # MᵀM whenever dHdH was accumulated
+        MdH = self.MdH + float((self.dHdH * gram_M).sum())
         t = self.ten
-        return gain_terms(spec_W, spec_M, self.MdH, t["din"], t["y"], t["hin"])
+        return gain_terms(spectral_norm(W), _top_singular(gram_M), MdH, t["din"], t["y"], t["hin"])
 
     def terms(self, norm: Norm) -> dict[str, float]:
         if norm == "token":
@@ -230,12 +266,20 @@ def gain_terms(spec_W: float, spec_M: float, sq_MdH: float, sq_dH: float, sq_WH:
     return G1, G2, G_lin
 
 
-def spectral_norm(W: Tensor) -> float:
-    """‖W‖₂ = √λ_max of the smaller Gram matrix, W Wᵀ or WᵀW: a symmetric eigenproblem, several times
-    cheaper than the SVD of a rectangular W and equal to it to ~1e-15."""
+def _gram(W: Tensor) -> Tensor:
+    """The smaller Gram matrix of W (out, in) in fp64: WᵀW when in ≤ out, else WWᵀ."""
     W = W.detach().double()
-    gram = W @ W.T if W.shape[0] <= W.shape[1] else W.T @ W
+    return W.T @ W if W.shape[1] <= W.shape[0] else W @ W.T
+
+
+def _top_singular(gram: Tensor) -> float:
     return torch.linalg.eigvalsh(gram)[-1].clamp(min=0).sqrt().item()
+
+
+def spectral_norm(W: Tensor) -> float:
+    """‖W‖₂ = √λ_max of the smaller Gram matrix: a symmetric eigenproblem, several times cheaper than
+    the SVD of a rectangular W and equal to it to ~1e-15."""
+    return _top_singular(_gram(W))
 
 
 def gain_split(W: Tensor, Wq: Tensor, h: Tensor, hq: Tensor) -> tuple[float, float, float]:
@@ -300,16 +344,6 @@ def _midpoints(fp: nn.Module, q: nn.Module, names: list[str]) -> dict[str, Tenso
     return {n: 0.5 * (W.double() + Wq.double()) for n, (W, Wq) in Ws.items() if W.shape == Wq.shape}
 
 
-def _pair(f: Callable, h: Tensor, hq: Tensor) -> tuple[Tensor, Tensor]:
-    """(f(h), f(h^q)) from one call on the two inputs stacked along the batch (every module here acts
-    on each sequence alone); one call on h when h^q = h (the first module: both chains start from the
-    same embedding)."""
-    if torch.equal(h, hq):
-        y = f(h)
-        return y, y
-    return _halves(f(torch.cat((h, hq))), h.shape[0])
-
-
 def _halves(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """The two halves of a stacked call's tensor; twice the tensor itself when the call was not stacked."""
     return (x, x) if x.shape[0] == n else (x[:n], x[n:])
@@ -321,16 +355,20 @@ def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums]
     next (h, h^q) and their per-row input norms (this module's output norms: nothing is recomputed)."""
     fp_lin = {n: fp.get_submodule(n) for n in link.linears}
     q_lin = {n: q.get_submodule(n) for n in link.linears}
+    B = h.shape[0]
+    # h and h^q stacked along the batch (every module acts on each sequence alone); h alone when they are
+    # equal (the first module: both chains start from the same embedding)
+    hh = h if torch.equal(h, hq) else torch.cat((h, hq))
     with capture(fp, fp_lin, outputs=True) as acts_f:
-        y_ff, y_fq = _pair(link.f, h, hq)
+        y_ff, y_fq = _halves(link.f(hh), B)
     if link.same:
         (y_qf, y_qq), acts_q = (y_ff, y_fq), acts_f
     else:
         with capture(q, q_lin, outputs=True) as acts_q:
-            y_qf, y_qq = _pair(link.fq, h, hq)
+            y_qf, y_qq = _halves(link.fq(hh), B)
     out = output_rows((y_ff, y_fq, y_qf, y_qq), work)
     sums[link.name].add_rows(inp, out)
-    B = h.shape[0]
+    inputs: dict[tuple, _Input] = {}  # one per distinct (x, x^q): q/k/v share one
     for n in link.linears:
         calls = zip(acts_f.inputs[n], acts_f.outputs[n], acts_q.inputs[n], acts_q.outputs[n], strict=True)
         for xf, of, xq_, oq in calls:
@@ -338,15 +376,15 @@ def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums]
             (x_in_qh, xq), (lin_qf, lin_qq) = _halves(xq_, B), _halves(oq, B)
             # the cross evaluations f_lin(x^q), f^q_lin(x) came for free when the linear saw the same
             # input inside f(h^q) / f^q(h) (e.g. q/k/v and the MLP's up projection read h directly)
-            if not torch.equal(x_in_fhq, xq):
+            if not _equal(x_in_fhq, xq):
                 lin_fq = fp_lin[n](xq)
-            if not torch.equal(x_in_qh, x):
+            if not _equal(x_in_qh, x):
                 lin_qf = q_lin[n](x)
-            H = _rows2d(x)
-            dH = _rows2d(xq) - H
-            sums[n].add_rows((_sq(H), _sq(dH)), output_rows((lin_ff, lin_fq, lin_qf, lin_qq), work))
+            key = (_view(x), _view(xq))
+            xs = inputs[key] = inputs.get(key) or _Input(x, xq)
+            sums[n].add_rows(xs.rows, output_rows((lin_ff, lin_fq, lin_qf, lin_qq), work))
             if n in Ms:
-                sums[n].MdH += _sq(dH @ Ms[n].T).sum().item()
+                sums[n].add_gain(Ms[n], xs)
     return y_ff, y_qq, (out["y"], out["d"])
 
 
@@ -354,8 +392,7 @@ def _rows(links: list[_Link], sums: dict[str, _Sums], Ms: dict[str, Tensor], fp)
     rows: list[ABCRow] = []
     for idx, link in enumerate(links, start=1):
         for n in link.linears:
-            split = sums[n].gain_terms(spectral_norm(fp.get_submodule(n).weight), spectral_norm(Ms[n])) \
-                if n in Ms else (math.nan,) * 3
+            split = sums[n].gain_terms(fp.get_submodule(n).weight, Ms[n]) if n in Ms else (math.nan,) * 3
             for norm in ("token", "tensor"):
                 t = sums[n].terms(norm)
                 extra = split if norm == "tensor" else ()
