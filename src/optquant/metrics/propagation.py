@@ -118,17 +118,6 @@ def _sq(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).square()
 
 
-def input_rows(h: Tensor, hq: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row (‖h‖², ‖h^q − h‖²) in fp64."""
-    h2 = _rows2d(h)
-    return _sq(h2), _sq(_rows2d(hq) - h2)
-
-
-def _dot(x: Tensor, y: Tensor) -> Tensor:
-    """Per-row ⟨x, y⟩ of 2-D tensors (no elementwise temporary)."""
-    return torch.linalg.vecdot(x, y)
-
-
 class Workspace:
     """Reusable fp64 buffers for `output_rows`, one set per row shape. Large tensors are the analysis'
     main cost on CPU, through fresh pages rather than arithmetic: reusing them makes the bookkeeping
@@ -159,7 +148,7 @@ def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor], work: Workspace | Non
         uu = vv = uv = _sq(u)
     else:
         v = torch.sub(fq, qf, out=bufs[5])
-        uu, vv, uv = _sq(u), _sq(v), _dot(u, v)
+        uu, vv, uv = _sq(u), _sq(v), torch.linalg.vecdot(u, v)
     return {"d": uu, "y": _sq(ff), "a": 0.25 * (uu + vv + 2 * uv), "b": 0.25 * (uu + vv - 2 * uv),
             "ab": 0.5 * (uu - vv)}
 
@@ -184,7 +173,7 @@ def _equal(x: Tensor, y: Tensor) -> bool:
 
 
 class _Input:
-    """A linear layer's input in the two chains, x and x^q, as fp64 rows: ΔH = x^q − x, the row norms
+    """A module's input in the two chains, x and x^q, as fp64 rows: ΔH = x^q − x, the row norms
     (‖x‖², ‖ΔH‖²) and, on demand, ΔHᵀΔH."""
 
     def __init__(self, x: Tensor, xq: Tensor) -> None:
@@ -200,18 +189,17 @@ class _Input:
 
 
 class _Sums:
-    """Streaming sums of the ABC terms of one module over batches, in both norms."""
+    """Streaming sums of the ABC terms of one module over batches, in both norms; for a linear layer
+    with weights W, W^q of one shape also those of the gain split (§7.5), with M = ½(W + W^q)."""
 
-    def __init__(self) -> None:
+    def __init__(self, W: Tensor | None = None, Wq: Tensor | None = None) -> None:
         self.tok = dict.fromkeys(TERMS, 0.0)
         self.ten = dict.fromkeys(("d", "a", "b", "ab", "y", "din", "hin"), 0.0)
         self.n = 0
-        # linear rows, §7.5: ‖MΔH‖² summed directly, or ΣΔHᵀΔH to take ⟨ΔHᵀΔH, MᵀM⟩ with at the end
-        # (see `add_gain`); ‖WH‖², ‖H‖², ‖ΔH‖² are this row's sums y, hin, din
+        self.W, self.M = W, 0.5 * (W.double() + Wq.double()) if W is not None and W.shape == Wq.shape else None
+        # ‖MΔH‖² summed directly, or ΣΔHᵀΔH for ⟨ΔHᵀΔH, MᵀM⟩ at the end (`add_gain`); ‖WH‖², ‖H‖², ‖ΔH‖²
+        # are the sums y, hin, din
         self.MdH, self.dHdH = 0.0, 0.0
-
-    def add(self, h: Tensor, hq: Tensor, ys: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
-        self.add_rows(input_rows(h, hq), output_rows(ys))
 
     def add_rows(self, inp: tuple[Tensor, Tensor], out: dict[str, Tensor]) -> None:
         """Add per-row squared norms: `inp` = (‖h‖², ‖h^q − h‖²), `out` from `output_rows`."""
@@ -223,19 +211,23 @@ class _Sums:
         self.tok["R_in"] += (sq["din"] / sq["hin"]).sum().item()
         self.n += sq["y"].shape[0]
 
-    def add_gain(self, M: Tensor, x: _Input) -> None:
+    def add_gain(self, x: _Input) -> None:
         """Add ‖MΔH‖² of one batch. With in ≤ out it is ⟨ΔHᵀΔH, MᵀM⟩: ΔHᵀΔH costs N·in² instead of
         N·in·out, q/k/v share it, and MᵀM is the Gram `spectral_norm` needs anyway."""
-        if M.shape[1] <= M.shape[0]:
+        if self.M is None:
+            return
+        if self.M.shape[1] <= self.M.shape[0]:
             self.dHdH = self.dHdH + x.gram()
         else:
-            self.MdH += _sq(x.dH @ M.T).sum().item()
+            self.MdH += _sq(x.dH @ self.M.T).sum().item()
 
-    def gain_terms(self, W: Tensor, M: Tensor) -> tuple[float, float, float]:
-        gram_M = _gram(M)  # MᵀM whenever dHdH was accumulated
+    def gain_terms(self) -> tuple[float, float, float]:
+        if self.M is None:
+            return (math.nan,) * 3
+        gram_M = _gram(self.M)  # MᵀM whenever dHdH was accumulated
         MdH = self.MdH + float((self.dHdH * gram_M).sum())
         t = self.ten
-        return gain_terms(spectral_norm(W), _top_singular(gram_M), MdH, t["din"], t["y"], t["hin"])
+        return gain_terms(spectral_norm(self.W), _top_singular(gram_M), MdH, t["din"], t["y"], t["hin"])
 
     def terms(self, norm: Norm) -> dict[str, float]:
         if norm == "token":
@@ -248,7 +240,7 @@ class _Sums:
 def abc_terms(f: Callable, fq: Callable, h: Tensor, hq: Tensor, norm: Norm = "token") -> dict[str, float]:
     """R, A, B, C, R_in and G = A/R_in of one module f (FP) / fq (quantized) on inputs h, hq."""
     s = _Sums()
-    s.add(h, hq, four_evals(f, fq, h, hq))
+    s.add_rows(_Input(h, hq).rows, output_rows(four_evals(f, fq, h, hq)))
     t = s.terms(norm)
     return t | {"G": _div(t["A"], t["R_in"])}
 
@@ -342,19 +334,13 @@ def _same(fp_parts: tuple[nn.Module, ...], q_parts: tuple[nn.Module, ...]) -> bo
     return len(ts[0]) == len(ts[1]) and all(torch.equal(a, b) for a, b in zip(*ts, strict=True))
 
 
-def _midpoints(fp: nn.Module, q: nn.Module, names: list[str]) -> dict[str, Tensor]:
-    """M = W + ½ε^W = ½(W + W^q) in fp64 for each linear whose FP and quantized weights match in shape."""
-    Ws = {n: (fp.get_submodule(n).weight, q.get_submodule(n).weight) for n in names}
-    return {n: 0.5 * (W.double() + Wq.double()) for n, (W, Wq) in Ws.items() if W.shape == Wq.shape}
-
-
 def _halves(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """The two halves of a stacked call's tensor; twice the tensor itself when the call was not stacked."""
     return (x, x) if x.shape[0] == n else (x[:n], x[n:])
 
 
-def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums], Ms: dict[str, Tensor],
-               inp: tuple[Tensor, Tensor], work: Workspace) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums], inp: tuple[Tensor, Tensor],
+               work: Workspace) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
     """The four evaluations of one chain module (plus its linears), as two batched calls; returns the
     next (h, h^q) and their per-row input norms (this module's output norms: nothing is recomputed)."""
     fp_lin = {n: fp.get_submodule(n) for n in link.linears}
@@ -387,28 +373,20 @@ def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums]
             key = (_view(x), _view(xq))
             xs = inputs[key] = inputs.get(key) or _Input(x, xq)
             sums[n].add_rows(xs.rows, output_rows((lin_ff, lin_fq, lin_qf, lin_qq), work))
-            if n in Ms:
-                sums[n].add_gain(Ms[n], xs)
+            sums[n].add_gain(xs)
     return y_ff, y_qq, (out["y"], out["d"])
 
 
-def _rows(links: list[_Link], sums: dict[str, _Sums], Ms: dict[str, Tensor], fp) -> list[ABCRow]:
+def _rows(links: list[_Link], sums: dict[str, _Sums]) -> list[ABCRow]:
     rows: list[ABCRow] = []
     for idx, link in enumerate(links, start=1):
-        for n in link.linears:
-            split = sums[n].gain_terms(fp.get_submodule(n).weight, Ms[n]) if n in Ms else (math.nan,) * 3
+        for name, kind in [*((n, "linear") for n in link.linears), (link.name, link.kind)]:
+            split = dict(zip(("G1", "G2", "G_lin"), sums[name].gain_terms(), strict=True))  # nan off linears
             for norm in ("token", "tensor"):
-                t = sums[n].terms(norm)
-                extra = split if norm == "tensor" else ()
-                rows.append(ABCRow(idx, n, "linear", norm, **t, G=_div(t["A"], t["R_in"]), **_g(extra)))
-        for norm in ("token", "tensor"):
-            t = sums[link.name].terms(norm)
-            rows.append(ABCRow(idx, link.name, link.kind, norm, **t, G=_div(t["A"], t["R_in"])))
+                t = sums[name].terms(norm)
+                rows.append(ABCRow(idx, name, kind, norm, **t, G=_div(t["A"], t["R_in"]),
+                                   **(split if norm == "tensor" else {})))
     return rows
-
-
-def _g(split: tuple) -> dict[str, float]:
-    return dict(zip(("G1", "G2", "G_lin"), split, strict=True)) if split else {}
 
 
 def ptq_pair(model: nn.Module, cfg: PTQConfig, calib=None) -> tuple[nn.Module, nn.Module]:
@@ -431,8 +409,8 @@ def propagation(
     two calls on the stacked inputs; a module's output norms are its successor's input norms.
     """
     links = _chain(fp, q, cfg)
-    sums = {n: _Sums() for link in links for n in (*link.linears, link.name)}
-    Ms = _midpoints(fp, q, [n for link in links for n in link.linears])
+    sums = {link.name: _Sums() for link in links}
+    sums |= {n: _Sums(fp.get_submodule(n).weight, q.get_submodule(n).weight) for link in links for n in link.linears}
     modes = fp.training, q.training
     fp.eval(), q.eval()
     try:
@@ -440,12 +418,12 @@ def propagation(
         for batch in batches:
             idx = (batch[0] if isinstance(batch, tuple | list) else batch).to(device)
             h, hq = fp.embed(idx), q.embed(idx)
-            inp = input_rows(h, hq)
+            inp = _Input(h, hq).rows
             for link in links:
-                h, hq, inp = _step_link(fp, q, link, h, hq, sums, Ms, inp, work)
+                h, hq, inp = _step_link(fp, q, link, h, hq, sums, inp, work)
     finally:
         fp.train(modes[0]), q.train(modes[1])
-    rows = _rows(links, sums, Ms, fp)
+    rows = _rows(links, sums)
     return rows, summarize(rows, cfg.norm)
 
 
