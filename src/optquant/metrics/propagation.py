@@ -14,8 +14,15 @@ module, `final="logits"` (final norm + LM head, the default) or `"norm"` (final 
 R_L is measured on the logits by default: they are what the accuracy depends on, and unlike a hidden
 state they do not change when a rotation fuses the final norm into the head, so R_L compares plainly
 across FP/rotated models. `granularity="linear"` adds nested rows for every quantized linear layer
-inside the chain modules (f = the linear, h = its input in each chain; captured by hooks during f(h)
-and f^q(h^q), so only two extra linear evaluations are needed).
+inside the chain modules (f = the linear, h = its input in each chain), captured by hooks during the
+module's evaluations; these also give the linear's f(h^q) and f^q(h) when it reads the module's own
+input (q/k/v, up), so only o and down are evaluated again.
+
+Cost: a module's four evaluations are two calls, f and f^q on h and h^q stacked; f^q is not called
+when it computes f (the unquantized head), nor h^q passed when it equals h (the first module). The
+fp64 bookkeeping reduces rows without forming a and b. Linear rows add ‖MΔH‖² (below) per batch, as
+⟨ΔHᵀΔH, MᵀM⟩ when in ≤ out (q/k/v share ΔHᵀΔH), and two spectral norms per layer; ‖WH‖² is the
+linear's own ‖f(h)‖² (so in an fp32 model it carries the fp32 rounding of the layer's output).
 
 Norms: `token` (default) takes each ratio per token vector and averages over tokens ([3P]); `tensor`
 takes one Frobenius norm over all tokens. Both are always computed (rows carry `norm`); A+B+C = R holds
@@ -38,6 +45,7 @@ import copy
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -118,22 +126,15 @@ def _sq(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).square()
 
 
-class Workspace:
-    """Reusable fp64 buffers for `output_rows`, one set per row shape. Large tensors are the analysis'
-    main cost on CPU, through fresh pages rather than arithmetic: reusing them makes the bookkeeping
-    of a module cost a fraction of its evaluation."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[int, ...], list[Tensor]] = {}
-
-    def get(self, shape: tuple[int, ...], device: torch.device) -> list[Tensor]:
-        key = (*shape, str(device))
-        if key not in self.buffers:
-            self.buffers[key] = [torch.empty(shape, dtype=torch.float64, device=device) for _ in range(6)]
-        return self.buffers[key]
+def _buffers(work: dict, rows: tuple[int, int], device: torch.device) -> list[Tensor]:
+    """Six fp64 buffers of shape `rows`, kept in `work` for the next call: on CPU, fresh pages cost the
+    bookkeeping more than its arithmetic."""
+    if (rows, device) not in work:
+        work[rows, device] = [torch.empty(rows, dtype=torch.float64, device=device) for _ in range(6)]
+    return work[rows, device]
 
 
-def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor], work: Workspace | None = None) -> dict[str, Tensor]:
+def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor], work: dict | None = None) -> dict[str, Tensor]:
     """Per-row ‖y‖², ‖Δy‖², ‖a‖², ‖b‖², 2⟨a,b⟩ in fp64 from f(h), f(h^q), f^q(h), f^q(h^q).
 
     With u = qq − ff (= Δy) and v = fq − qf, the Shapley terms of `shapley_split` are a = ½(u + v) and
@@ -141,7 +142,7 @@ def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor], work: Workspace | Non
     2⟨a,b⟩ = ½(‖u‖² − ‖v‖²): three row reductions instead of materialising a and b (equal up to
     rounding, ~1e-16 of ‖u‖² + ‖v‖²)."""
     rows = tuple(ys[0].reshape(-1, ys[0].shape[-1]).shape)
-    bufs = (work or Workspace()).get(rows, ys[0].device)
+    bufs = _buffers({} if work is None else work, rows, ys[0].device)
     ff, fq, qf, qq = _as64(ys, bufs[:4], rows)
     u = torch.sub(qq, ff, out=bufs[4])
     if qf is ff and qq is fq:  # f^q = f (e.g. an unquantized head): v = u, a = Δy, b = 0
@@ -168,10 +169,6 @@ def _view(x: Tensor) -> tuple:
     return x.data_ptr(), x.shape, x.stride(), x.dtype
 
 
-def _equal(x: Tensor, y: Tensor) -> bool:
-    return _view(x) == _view(y) or torch.equal(x, y)
-
-
 class _Input:
     """A module's input in the two chains, x and x^q, as fp64 rows: ΔH = x^q − x, the row norms
     (‖x‖², ‖ΔH‖²) and, on demand, ΔHᵀΔH."""
@@ -180,12 +177,10 @@ class _Input:
         H = _rows2d(x)
         self.dH = _rows2d(xq) - H
         self.rows = (_sq(H), _sq(self.dH))
-        self._gram: Tensor | None = None
 
+    @cached_property
     def gram(self) -> Tensor:
-        if self._gram is None:
-            self._gram = self.dH.T @ self.dH
-        return self._gram
+        return self.dH.T @ self.dH
 
 
 class _Sums:
@@ -217,11 +212,12 @@ class _Sums:
         if self.M is None:
             return
         if self.M.shape[1] <= self.M.shape[0]:
-            self.dHdH = self.dHdH + x.gram()
+            self.dHdH = self.dHdH + x.gram
         else:
             self.MdH += _sq(x.dH @ self.M.T).sum().item()
 
-    def gain_terms(self) -> tuple[float, float, float]:
+    def gains(self) -> tuple[float, float, float]:
+        """(G1, G2, G_lin) of a linear layer, nan for other modules."""
         if self.M is None:
             return (math.nan,) * 3
         gram_M = _gram(self.M)  # MᵀM whenever dHdH was accumulated
@@ -340,7 +336,7 @@ def _halves(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
 
 
 def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums], inp: tuple[Tensor, Tensor],
-               work: Workspace) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+               work: dict) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
     """The four evaluations of one chain module (plus its linears), as two batched calls; returns the
     next (h, h^q) and their per-row input norms (this module's output norms: nothing is recomputed)."""
     fp_lin = {n: fp.get_submodule(n) for n in link.linears}
@@ -366,9 +362,9 @@ def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums]
             (x_in_qh, xq), (lin_qf, lin_qq) = _halves(xq_, B), _halves(oq, B)
             # the cross evaluations f_lin(x^q), f^q_lin(x) came for free when the linear saw the same
             # input inside f(h^q) / f^q(h) (e.g. q/k/v and the MLP's up projection read h directly)
-            if not _equal(x_in_fhq, xq):
+            if not torch.equal(x_in_fhq, xq):
                 lin_fq = fp_lin[n](xq)
-            if not _equal(x_in_qh, x):
+            if not torch.equal(x_in_qh, x):
                 lin_qf = q_lin[n](x)
             key = (_view(x), _view(xq))
             xs = inputs[key] = inputs.get(key) or _Input(x, xq)
@@ -381,7 +377,7 @@ def _rows(links: list[_Link], sums: dict[str, _Sums]) -> list[ABCRow]:
     rows: list[ABCRow] = []
     for idx, link in enumerate(links, start=1):
         for name, kind in [*((n, "linear") for n in link.linears), (link.name, link.kind)]:
-            split = dict(zip(("G1", "G2", "G_lin"), sums[name].gain_terms(), strict=True))  # nan off linears
+            split = dict(zip(("G1", "G2", "G_lin"), sums[name].gains(), strict=True))
             for norm in ("token", "tensor"):
                 t = sums[name].terms(norm)
                 rows.append(ABCRow(idx, name, kind, norm, **t, G=_div(t["A"], t["R_in"]),
@@ -414,7 +410,7 @@ def propagation(
     modes = fp.training, q.training
     fp.eval(), q.eval()
     try:
-        device, work = next(fp.parameters()).device, Workspace()
+        device, work = next(fp.parameters()).device, {}
         for batch in batches:
             idx = (batch[0] if isinstance(batch, tuple | list) else batch).to(device)
             h, hq = fp.embed(idx), q.embed(idx)
