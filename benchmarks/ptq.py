@@ -6,12 +6,13 @@ channels scaled ×10 (the setup of dependencies.md §2). Reports the relative la
 (Hessian accumulation excluded, it is shared by all variants). Correctness is not measured here:
 tests/test_gptq.py checks GPTQ against references written the way the paper and IST-DASLab's code do it.
 
-Part 2: seconds of `optquant.metrics.propagation.propagation` (four evaluations per module) as a
+Part 2: CPU seconds of `optquant.metrics.propagation.propagation` (four evaluations per module) as a
 ratio to one FP plus one W4A4-quantized forward over the same batches, beside the implementation before
-its speed-up (tests/propagation_reference.py) measured in the same run, on `tiny` and `small`.
+its speed-up (tests/propagation_reference.py) measured in the same run, on `tiny` and `small`; each
+timing is the least of --repeat interleaved runs.
 
-Run: python benchmarks/ptq.py [--quick] [--threads N]. One thread by default: on the shared 2-core
-machine this was measured on, two threads made the column loop 30× slower (0.2 s → 6.9 s at 512²).
+Run: python benchmarks/ptq.py [--quick] [--threads N] [--repeat R]. One thread by default: on the shared
+2-core machine this was measured on, two threads made the column loop 30× slower (0.2 s → 6.9 s at 512²).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from functools import partial
 
 import torch
 
@@ -60,10 +62,17 @@ def layer_rows(shapes: list[tuple[int, int]], tokens: int) -> list[dict]:
     return rows
 
 
-def abc_rows(presets: list[str], n_batches: int) -> list[dict]:
-    """Seconds of the ABC analysis (both granularities) and, side by side in the same run, of the
+def forwards(fp: torch.nn.Module, q: torch.nn.Module, batches: list) -> None:
+    with torch.no_grad():
+        for b in batches:
+            fp(b), q(b)
+
+
+def abc_rows(presets: list[str], n_batches: int, repeat: int) -> list[dict]:
+    """CPU seconds of the ABC analysis (both granularities) and, side by side in the same run, of the
     implementation before its speed-up (tests/propagation_reference.py), each as a ratio to one FP plus
-    one W4A4 forward over the same batches (the method's floor is 2: four module evaluations)."""
+    one W4A4 forward over the same batches. Each is the least of `repeat` interleaved runs, in process
+    CPU time: on a shared machine wall time also counts the time spent waiting for a core."""
     import sys
     from pathlib import Path
 
@@ -76,21 +85,21 @@ def abc_rows(presets: list[str], n_batches: int) -> list[dict]:
         fp = LM(model_config(preset)).eval()
         q = quantize_(copy.deepcopy(fp), PTQConfig())
         batches = [torch.randint(0, fp.cfg.vocab_size, (4, fp.cfg.seq_len)) for _ in range(n_batches)]
-        with torch.no_grad():
-            fp(batches[0]), q(batches[0])  # warm-up
-            t = time.perf_counter()
-            for b in batches:
-                fp(b), q(b)
-            t_fwd = time.perf_counter() - t
+        runs = {"fwd": partial(forwards, fp, q)}
         for gran in ("sublayer", "linear"):
-            row = {"preset": preset, "granularity": gran, "fwd": t_fwd}
-            for key, fn, cfg in (("new", propagation, PropagationConfig(granularity=gran)),
-                                 ("old", ref.propagation, ref.PropagationConfig(granularity=gran))):
-                fn(fp, q, batches[:1], cfg)  # warm-up
-                t = time.perf_counter()
-                fn(fp, q, batches, cfg)
-                row[key] = time.perf_counter() - t
-            rows.append(row)
+            runs["new", gran] = partial(propagation, fp, q, cfg=PropagationConfig(granularity=gran))
+            runs["old", gran] = partial(ref.propagation, fp, q, cfg=ref.PropagationConfig(granularity=gran))
+        for run in runs.values():
+            run(batches[:1])  # warm-up
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(repeat):
+            for key, run in runs.items():
+                t = time.process_time()
+                run(batches)
+                best[key] = min(best[key], time.process_time() - t)
+        for gran in ("sublayer", "linear"):
+            rows.append({"preset": preset, "granularity": gran, "fwd": best["fwd"], "new": best["new", gran],
+                         "old": best["old", gran]})
     return rows
 
 
@@ -98,6 +107,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="only the 512x512 layer and a nano model")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--repeat", type=int, default=3, help="ABC timings: the least of this many runs (default 3)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     shapes = [(512, 512)] if args.quick else [(512, 512), (1024, 4096)]
@@ -113,11 +123,12 @@ def main() -> None:
             f"{r['layer']:>10} {r['scheme']:>14} {r['rtn']:8.4f} {r['gptq']:9.4f} {r['gptq_ao']:8.4f} "
             f"{r['rtn_s']:7.3f} {r['gptq_s']:7.2f} {r['gptq_ao_s']:7.2f}"
         )
-    print("\nABC analysis, seconds and ratio to one FP + one W4A4 forward (4 batches × 4 sequences):")
+    print(f"\nABC analysis, CPU seconds (least of {args.repeat}) and ratio to one FP + one W4A4 forward "
+          "(4 batches × 4 sequences):")
     head = f"{'preset':>7} {'granularity':>11} {'FP+W4A4 s':>10} {'ABC s':>7} {'ratio':>6} {'before s':>9} {'ratio':>6}"
     print(head)
     print("-" * len(head))
-    for r in abc_rows(["nano"] if args.quick else ["tiny", "small"], 4):
+    for r in abc_rows(["nano"] if args.quick else ["tiny", "small"], 4, args.repeat):
         print(f"{r['preset']:>7} {r['granularity']:>11} {r['fwd']:10.2f} {r['new']:7.2f} {r['new'] / r['fwd']:5.2f}x "
               f"{r['old']:9.2f} {r['old'] / r['fwd']:5.2f}x")
 

@@ -203,14 +203,26 @@ def test_bad_inputs(trained):
 def test_fast_abc_equals_the_reference_implementation_in_fp64(trained, granularity, method):
     """The batched, buffer-reusing ABC gives today's numbers: the implementation before the speed-up is
     kept verbatim in tests/propagation_reference.py; in fp64 every term of every row agrees to 1e-12."""
-    import propagation_reference as ref
-
     model = copy.deepcopy(trained).double()
     calib = torch.randint(0, VOCAB, (4, T), generator=torch.Generator().manual_seed(5))
     fp, q = ptq_pair(model, PTQConfig(method=method, rotation="hadamard" if method == "gptq" else "none"), calib)
-    cfg = PropagationConfig(granularity=granularity)
-    rows, summary = propagation(fp, q, _batches(n=2, b=3), cfg)
-    ref_rows, ref_summary = ref.propagation(fp, q, _batches(n=2, b=3), ref.PropagationConfig(granularity=granularity))
+    _assert_matches_reference(fp, q, granularity=granularity)
+
+
+def test_fast_abc_equals_the_reference_on_llama_with_the_head_as_a_linear_row():
+    """Llama: pre-norm sublayers (a linear's inputs in the two calls are equal, not one tensor) and
+    gate/up sharing an input; skip=() makes the FP head, evaluated once per input, a linear row too."""
+    torch.manual_seed(0)
+    model = LM(model_config("nano", arch="llama", vocab_size=VOCAB, seq_len=T)).double()
+    fp, q = ptq_pair(model, PTQConfig())
+    _assert_matches_reference(fp, q, granularity="linear", skip=())
+
+
+def _assert_matches_reference(fp, q, **cfg):
+    import propagation_reference as ref
+
+    rows, summary = propagation(fp, q, _batches(n=2, b=3), PropagationConfig(**cfg))
+    ref_rows, ref_summary = ref.propagation(fp, q, _batches(n=2, b=3), ref.PropagationConfig(**cfg))
     assert len(rows) == len(ref_rows) and len(rows) > 0
     for r, e in zip(rows, ref_rows, strict=True):
         assert (r.index, r.name, r.kind, r.norm) == (e.index, e.name, e.kind, e.norm)

@@ -14,8 +14,15 @@ module, `final="logits"` (final norm + LM head, the default) or `"norm"` (final 
 R_L is measured on the logits by default: they are what the accuracy depends on, and unlike a hidden
 state they do not change when a rotation fuses the final norm into the head, so R_L compares plainly
 across FP/rotated models. `granularity="linear"` adds nested rows for every quantized linear layer
-inside the chain modules (f = the linear, h = its input in each chain; captured by hooks during f(h)
-and f^q(h^q), so only two extra linear evaluations are needed).
+inside the chain modules (f = the linear, h = its input in each chain), captured by hooks during the
+module's evaluations; these also give the linear's f(h^q) and f^q(h) when it reads the module's own
+input (q/k/v, up), so only o and down are evaluated again.
+
+Cost: a module's four evaluations are two calls, f and f^q on h and h^q stacked; f^q is not called
+when it computes f (the unquantized head), nor h^q passed when it equals h (the first module). The
+fp64 bookkeeping reduces rows without forming a and b. Linear rows add ‖MΔH‖² (below) per batch, as
+⟨ΔHᵀΔH, MᵀM⟩ when in ≤ out (q/k/v share ΔHᵀΔH), and two spectral norms per layer; ‖WH‖² is the
+linear's own ‖f(h)‖² (so in an fp32 model it carries the fp32 rounding of the layer's output).
 
 Norms: `token` (default) takes each ratio per token vector and averages over tokens ([3P]); `tensor`
 takes one Frobenius norm over all tokens. Both are always computed (rows carry `norm`); A+B+C = R holds
@@ -38,15 +45,17 @@ import copy
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
+import scipy.linalg
 import torch
 from torch import Tensor, nn
 
 from optquant.errors import OptquantError
 from optquant.metrics.capture import capture
-from optquant.quant.layers import linear_layers
+from optquant.quant.layers import QuantLinear, linear_layers
 from optquant.quant.ptq import PTQConfig, quantize_
 from optquant.quant.rotate import rotate_model_
 
@@ -117,33 +126,15 @@ def _sq(x: Tensor) -> Tensor:
     return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).square()
 
 
-def input_rows(h: Tensor, hq: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row (‖h‖², ‖h^q − h‖²) in fp64."""
-    h2 = _rows2d(h)
-    return _sq(h2), _sq(_rows2d(hq) - h2)
+def _buffers(work: dict, rows: tuple[int, int], device: torch.device) -> list[Tensor]:
+    """Six fp64 buffers of shape `rows`, kept in `work` for the next call: on CPU, fresh pages cost the
+    bookkeeping more than its arithmetic."""
+    if (rows, device) not in work:
+        work[rows, device] = [torch.empty(rows, dtype=torch.float64, device=device) for _ in range(6)]
+    return work[rows, device]
 
 
-def _dot(x: Tensor, y: Tensor) -> Tensor:
-    """Per-row ⟨x, y⟩ of 2-D tensors, as a batched matmul (no elementwise temporary)."""
-    return torch.einsum("ij,ij->i", x, y)
-
-
-class Workspace:
-    """Reusable fp64 buffers for `output_rows`, one set per row shape. Large tensors are the analysis'
-    main cost on CPU, through fresh pages rather than arithmetic: reusing them makes the bookkeeping
-    of a module cost a fraction of its evaluation."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[int, ...], list[Tensor]] = {}
-
-    def get(self, shape: tuple[int, ...], device: torch.device) -> list[Tensor]:
-        key = (*shape, str(device))
-        if key not in self.buffers:
-            self.buffers[key] = [torch.empty(shape, dtype=torch.float64, device=device) for _ in range(6)]
-        return self.buffers[key]
-
-
-def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor], work: Workspace | None = None) -> dict[str, Tensor]:
+def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor], work: dict | None = None) -> dict[str, Tensor]:
     """Per-row ‖y‖², ‖Δy‖², ‖a‖², ‖b‖², 2⟨a,b⟩ in fp64 from f(h), f(h^q), f^q(h), f^q(h^q).
 
     With u = qq − ff (= Δy) and v = fq − qf, the Shapley terms of `shapley_split` are a = ½(u + v) and
@@ -151,27 +142,59 @@ def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor], work: Workspace | Non
     2⟨a,b⟩ = ½(‖u‖² − ‖v‖²): three row reductions instead of materialising a and b (equal up to
     rounding, ~1e-16 of ‖u‖² + ‖v‖²)."""
     rows = tuple(ys[0].reshape(-1, ys[0].shape[-1]).shape)
-    ff, fq, qf, qq, u, v = (work or Workspace()).get(rows, ys[0].device)
-    ff, fq, qf, qq = (y.reshape(rows) if y.dtype == torch.float64 else buf.copy_(y.reshape(rows))
-                      for buf, y in zip((ff, fq, qf, qq), ys, strict=True))
-    torch.sub(qq, ff, out=u)
-    torch.sub(fq, qf, out=v)
-    uu, vv, uv = _sq(u), _sq(v), _dot(u, v)
+    bufs = _buffers({} if work is None else work, rows, ys[0].device)
+    ff, fq, qf, qq = _as64(ys, bufs[:4], rows)
+    u = torch.sub(qq, ff, out=bufs[4])
+    if qf is ff and qq is fq:  # f^q = f (e.g. an unquantized head): v = u, a = Δy, b = 0
+        uu = vv = uv = _sq(u)
+    else:
+        v = torch.sub(fq, qf, out=bufs[5])
+        uu, vv, uv = _sq(u), _sq(v), torch.linalg.vecdot(u, v)
     return {"d": uu, "y": _sq(ff), "a": 0.25 * (uu + vv + 2 * uv), "b": 0.25 * (uu + vv - 2 * uv),
             "ab": 0.5 * (uu - vv)}
 
 
-class _Sums:
-    """Streaming sums of the ABC terms of one module over batches, in both norms."""
+def _as64(ys: tuple[Tensor, ...], bufs: list[Tensor], rows: tuple[int, int]) -> list[Tensor]:
+    """`ys` as fp64 (rows, width) tensors, copied into `bufs`; views of the same data are copied once
+    and come back as one tensor (an evaluation that two of the four share)."""
+    done: dict[tuple, Tensor] = {}
+    for y, buf in zip(ys, bufs, strict=True):
+        if _view(y) not in done:
+            done[_view(y)] = y.reshape(rows) if y.dtype == torch.float64 else buf.copy_(y.reshape(rows))
+    return [done[_view(y)] for y in ys]
 
-    def __init__(self) -> None:
+
+def _view(x: Tensor) -> tuple:
+    """What identifies a tensor's data: two tensors with equal keys hold the same values."""
+    return x.data_ptr(), x.shape, x.stride(), x.dtype
+
+
+class _Input:
+    """A module's input in the two chains, x and x^q, as fp64 rows: ΔH = x^q − x, the row norms
+    (‖x‖², ‖ΔH‖²) and, on demand, ΔHᵀΔH."""
+
+    def __init__(self, x: Tensor, xq: Tensor) -> None:
+        H = _rows2d(x)
+        self.dH = _rows2d(xq) - H
+        self.rows = (_sq(H), _sq(self.dH))
+
+    @cached_property
+    def gram(self) -> Tensor:
+        return self.dH.T @ self.dH
+
+
+class _Sums:
+    """Streaming sums of the ABC terms of one module over batches, in both norms; for a linear layer
+    with weights W, W^q of one shape also those of the gain split (§7.5), with M = ½(W + W^q)."""
+
+    def __init__(self, W: Tensor | None = None, Wq: Tensor | None = None) -> None:
         self.tok = dict.fromkeys(TERMS, 0.0)
         self.ten = dict.fromkeys(("d", "a", "b", "ab", "y", "din", "hin"), 0.0)
         self.n = 0
-        self.lin = dict.fromkeys(("MdH", "dH", "WH", "H"), 0.0)
-
-    def add(self, h: Tensor, hq: Tensor, ys: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
-        self.add_rows(input_rows(h, hq), output_rows(ys))
+        self.W, self.M = W, 0.5 * (W.double() + Wq.double()) if W is not None and W.shape == Wq.shape else None
+        # ‖MΔH‖² summed directly, or ΣΔHᵀΔH for ⟨ΔHᵀΔH, MᵀM⟩ at the end (`add_gain`); ‖WH‖², ‖H‖², ‖ΔH‖²
+        # are the sums y, hin, din
+        self.MdH, self.dHdH = 0.0, 0.0
 
     def add_rows(self, inp: tuple[Tensor, Tensor], out: dict[str, Tensor]) -> None:
         """Add per-row squared norms: `inp` = (‖h‖², ‖h^q − h‖²), `out` from `output_rows`."""
@@ -183,13 +206,24 @@ class _Sums:
         self.tok["R_in"] += (sq["din"] / sq["hin"]).sum().item()
         self.n += sq["y"].shape[0]
 
-    def add_linear(self, W: Tensor, Wq: Tensor, h: Tensor, hq: Tensor) -> None:
-        M = 0.5 * (W.double() + Wq.double())
-        H, dH = _rows2d(h), _rows2d(hq) - _rows2d(h)
-        self.lin["MdH"] += (dH @ M.T).square().sum().item()
-        self.lin["dH"] += dH.square().sum().item()
-        self.lin["WH"] += (H @ W.double().T).square().sum().item()
-        self.lin["H"] += H.square().sum().item()
+    def add_gain(self, x: _Input) -> None:
+        """Add ‖MΔH‖² of one batch. With in ≤ out it is ⟨ΔHᵀΔH, MᵀM⟩: ΔHᵀΔH costs N·in² instead of
+        N·in·out, q/k/v share it, and MᵀM is the Gram `spectral_norm` needs anyway."""
+        if self.M is None:
+            return
+        if self.M.shape[1] <= self.M.shape[0]:
+            self.dHdH = self.dHdH + x.gram
+        else:
+            self.MdH += _sq(x.dH @ self.M.T).sum().item()
+
+    def gains(self) -> tuple[float, float, float]:
+        """(G1, G2, G_lin) of a linear layer, nan for other modules."""
+        if self.M is None:
+            return (math.nan,) * 3
+        gram_M = _gram(self.M)  # MᵀM whenever dHdH was accumulated
+        MdH = self.MdH + float((self.dHdH * gram_M).sum())
+        t = self.ten
+        return gain_terms(spectral_norm(self.W), _top_singular(gram_M), MdH, t["din"], t["y"], t["hin"])
 
     def terms(self, norm: Norm) -> dict[str, float]:
         if norm == "token":
@@ -202,7 +236,7 @@ class _Sums:
 def abc_terms(f: Callable, fq: Callable, h: Tensor, hq: Tensor, norm: Norm = "token") -> dict[str, float]:
     """R, A, B, C, R_in and G = A/R_in of one module f (FP) / fq (quantized) on inputs h, hq."""
     s = _Sums()
-    s.add(h, hq, four_evals(f, fq, h, hq))
+    s.add_rows(_Input(h, hq).rows, output_rows(four_evals(f, fq, h, hq)))
     t = s.terms(norm)
     return t | {"G": _div(t["A"], t["R_in"])}
 
@@ -221,17 +255,32 @@ def gain_terms(spec_W: float, spec_M: float, sq_MdH: float, sq_dH: float, sq_WH:
     return G1, G2, G_lin
 
 
+def _gram(W: Tensor) -> Tensor:
+    """The smaller Gram matrix of W (out, in) in fp64: WᵀW when in ≤ out, else WWᵀ."""
+    W = W.detach().double()
+    return W.T @ W if W.shape[1] <= W.shape[0] else W @ W.T
+
+
+def _top_singular(gram: Tensor) -> float:
+    """√λ_max of a Gram matrix; LAPACK's dsyevr finds the one eigenvalue in ~60 % of a full eigvalsh."""
+    n = gram.shape[0]
+    lam = scipy.linalg.eigvalsh(gram.cpu().numpy(), subset_by_index=[n - 1, n - 1], check_finite=False)[0]
+    return math.sqrt(max(float(lam), 0.0))
+
+
 def spectral_norm(W: Tensor) -> float:
-    return torch.linalg.matrix_norm(W.detach().double(), ord=2).item()
+    """‖W‖₂ = √λ_max of the smaller Gram matrix: a symmetric eigenproblem, several times cheaper than
+    the SVD of a rectangular W and equal to it to ~1e-15."""
+    return _top_singular(_gram(W))
 
 
 def gain_split(W: Tensor, Wq: Tensor, h: Tensor, hq: Tensor) -> tuple[float, float, float]:
     """(G1, G2, G_lin) of a bias-free linear layer with weights W (FP) and Wq (quantized) on inputs
     h (FP chain) and hq (quantized chain), tensor norm."""
-    s = _Sums()
-    s.add_linear(W, Wq, h, hq)
     M = 0.5 * (W.double() + Wq.double())
-    return gain_terms(spectral_norm(W), spectral_norm(M), *s.lin.values())
+    H, dH = _rows2d(h), _rows2d(hq) - _rows2d(h)
+    sq = [x.square().sum().item() for x in (dH @ M.T, dH, H @ W.double().T, H)]
+    return gain_terms(spectral_norm(W), spectral_norm(M), *sq)
 
 
 @dataclass
@@ -241,6 +290,7 @@ class _Link:
     f: Callable[[Tensor], Tensor]
     fq: Callable[[Tensor], Tensor]
     linears: list[str]  # qualified names of the quantized linears inside this module
+    same: bool  # fq computes exactly f (nothing quantized inside): f^q(x) = f(x) is not evaluated again
 
 
 def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
@@ -251,11 +301,11 @@ def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
     if len(subs) != len(subs_q):
         raise OptquantError(f"propagation: fp has {len(subs)} sublayers but q has {len(subs_q)}")
     names = {id(m): n for n, m in fp.named_modules()}
-    links = [_Link(names[id(s)], "sublayer", s, sq, []) for s, sq in zip(subs, subs_q, strict=True)]
+    links = [_Link(names[id(s)], "sublayer", s, sq, [], _same((s,), (sq,))) for s, sq in zip(subs, subs_q, strict=True)]
     if cfg.final == "logits":
-        links.append(_Link("head", "final", fp.head, q.head, []))
+        links.append(_Link("head", "final", fp.head, q.head, [], _same((fp.norm, fp.lm_head), (q.norm, q.lm_head))))
     elif cfg.final == "norm":
-        links.append(_Link("norm", "final", fp.norm, q.norm, []))
+        links.append(_Link("norm", "final", fp.norm, q.norm, [], _same((fp.norm,), (q.norm,))))
     elif cfg.final != "none":
         raise OptquantError(f"propagation: final must be logits|norm|none, got {cfg.final!r}")
     if cfg.granularity == "linear":
@@ -270,30 +320,41 @@ def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
     return links
 
 
-def _pair(f: Callable, h: Tensor, hq: Tensor) -> tuple[Tensor, Tensor]:
-    """(f(h), f(h^q)) from one call on the two inputs stacked along the batch (every module here acts
-    on each sequence alone)."""
-    y = f(torch.cat((h, hq)))
-    return y[: h.shape[0]], y[h.shape[0]:]
+def _same(fp_parts: tuple[nn.Module, ...], q_parts: tuple[nn.Module, ...]) -> bool:
+    """Whether the quantized module computes exactly the FP one: the same layer types, none quantized,
+    and equal parameters and buffers (the head when lm_head is left in FP, as PTQ does by default)."""
+    mods = [[m for part in parts for m in part.modules()] for parts in (fp_parts, q_parts)]
+    if [type(m) for m in mods[0]] != [type(m) for m in mods[1]] or any(isinstance(m, QuantLinear) for m in mods[1]):
+        return False
+    ts = [[t for part in parts for t in (*part.parameters(), *part.buffers())] for parts in (fp_parts, q_parts)]
+    return len(ts[0]) == len(ts[1]) and all(torch.equal(a, b) for a, b in zip(*ts, strict=True))
 
 
 def _halves(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    return x[:n], x[n:]
+    """The two halves of a stacked call's tensor; twice the tensor itself when the call was not stacked."""
+    return (x, x) if x.shape[0] == n else (x[:n], x[n:])
 
 
 def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums], inp: tuple[Tensor, Tensor],
-               work: Workspace) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+               work: dict) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
     """The four evaluations of one chain module (plus its linears), as two batched calls; returns the
     next (h, h^q) and their per-row input norms (this module's output norms: nothing is recomputed)."""
     fp_lin = {n: fp.get_submodule(n) for n in link.linears}
     q_lin = {n: q.get_submodule(n) for n in link.linears}
+    B = h.shape[0]
+    # h and h^q stacked along the batch (every module acts on each sequence alone); h alone when they are
+    # equal (the first module: both chains start from the same embedding)
+    hh = h if torch.equal(h, hq) else torch.cat((h, hq))
     with capture(fp, fp_lin, outputs=True) as acts_f:
-        y_ff, y_fq = _pair(link.f, h, hq)
-    with capture(q, q_lin, outputs=True) as acts_q:
-        y_qf, y_qq = _pair(link.fq, h, hq)
+        y_ff, y_fq = _halves(link.f(hh), B)
+    if link.same:
+        (y_qf, y_qq), acts_q = (y_ff, y_fq), acts_f
+    else:
+        with capture(q, q_lin, outputs=True) as acts_q:
+            y_qf, y_qq = _halves(link.fq(hh), B)
     out = output_rows((y_ff, y_fq, y_qf, y_qq), work)
     sums[link.name].add_rows(inp, out)
-    B = h.shape[0]
+    inputs: dict[tuple, _Input] = {}  # one per distinct (x, x^q): q/k/v share one
     for n in link.linears:
         calls = zip(acts_f.inputs[n], acts_f.outputs[n], acts_q.inputs[n], acts_q.outputs[n], strict=True)
         for xf, of, xq_, oq in calls:
@@ -305,34 +366,23 @@ def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums]
                 lin_fq = fp_lin[n](xq)
             if not torch.equal(x_in_qh, x):
                 lin_qf = q_lin[n](x)
-            s = sums[n]
-            s.add_rows(input_rows(x, xq), output_rows((lin_ff, lin_fq, lin_qf, lin_qq), work))
-            if fp_lin[n].weight.shape == q_lin[n].weight.shape:
-                s.add_linear(fp_lin[n].weight, q_lin[n].weight, x, xq)
+            key = (_view(x), _view(xq))
+            xs = inputs[key] = inputs.get(key) or _Input(x, xq)
+            sums[n].add_rows(xs.rows, output_rows((lin_ff, lin_fq, lin_qf, lin_qq), work))
+            sums[n].add_gain(xs)
     return y_ff, y_qq, (out["y"], out["d"])
 
 
-def _rows(links: list[_Link], sums: dict[str, _Sums], fp, q) -> list[ABCRow]:
+def _rows(links: list[_Link], sums: dict[str, _Sums]) -> list[ABCRow]:
     rows: list[ABCRow] = []
     for idx, link in enumerate(links, start=1):
-        for n in link.linears:
-            W, Wq = fp.get_submodule(n).weight, q.get_submodule(n).weight
-            split = (math.nan,) * 3
-            if W.shape == Wq.shape:
-                spec = (spectral_norm(W), spectral_norm(0.5 * (W.double() + Wq.double())))
-                split = gain_terms(*spec, *sums[n].lin.values())
+        for name, kind in [*((n, "linear") for n in link.linears), (link.name, link.kind)]:
+            split = dict(zip(("G1", "G2", "G_lin"), sums[name].gains(), strict=True))
             for norm in ("token", "tensor"):
-                t = sums[n].terms(norm)
-                extra = split if norm == "tensor" else ()
-                rows.append(ABCRow(idx, n, "linear", norm, **t, G=_div(t["A"], t["R_in"]), **_g(extra)))
-        for norm in ("token", "tensor"):
-            t = sums[link.name].terms(norm)
-            rows.append(ABCRow(idx, link.name, link.kind, norm, **t, G=_div(t["A"], t["R_in"])))
+                t = sums[name].terms(norm)
+                rows.append(ABCRow(idx, name, kind, norm, **t, G=_div(t["A"], t["R_in"]),
+                                   **(split if norm == "tensor" else {})))
     return rows
-
-
-def _g(split: tuple) -> dict[str, float]:
-    return dict(zip(("G1", "G2", "G_lin"), split, strict=True)) if split else {}
 
 
 def ptq_pair(model: nn.Module, cfg: PTQConfig, calib=None) -> tuple[nn.Module, nn.Module]:
@@ -355,20 +405,21 @@ def propagation(
     two calls on the stacked inputs; a module's output norms are its successor's input norms.
     """
     links = _chain(fp, q, cfg)
-    sums = {n: _Sums() for link in links for n in (*link.linears, link.name)}
+    sums = {link.name: _Sums() for link in links}
+    sums |= {n: _Sums(fp.get_submodule(n).weight, q.get_submodule(n).weight) for link in links for n in link.linears}
     modes = fp.training, q.training
     fp.eval(), q.eval()
     try:
-        device, work = next(fp.parameters()).device, Workspace()
+        device, work = next(fp.parameters()).device, {}
         for batch in batches:
             idx = (batch[0] if isinstance(batch, tuple | list) else batch).to(device)
             h, hq = fp.embed(idx), q.embed(idx)
-            inp = input_rows(h, hq)
+            inp = _Input(h, hq).rows
             for link in links:
                 h, hq, inp = _step_link(fp, q, link, h, hq, sums, inp, work)
     finally:
         fp.train(modes[0]), q.train(modes[1])
-    rows = _rows(links, sums, fp, q)
+    rows = _rows(links, sums)
     return rows, summarize(rows, cfg.norm)
 
 
