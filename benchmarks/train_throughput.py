@@ -19,6 +19,7 @@ Compiled column: the same step with `torch.compile(model)` (what `train.compile=
 the same run and interleaved with the eager one; "compile s" is the first (compiling) step's seconds.
 
 Run: python benchmarks/train_throughput.py [--quick] [--repeats 3] [--threads N] [--batch 16] [--no-compile]
+     [--precision both|fp32|bf16] [--presets nano tiny]
 One thread by default: on the shared 2-core machine this was written on (load average ≈ 4), two
 threads made a nano step 28× slower (2.3 s vs 81 ms), OpenMP workers waiting on a preempted sibling.
 Under bf16 autocast torch warns that RMSNorm gets a bf16 input with an fp32 weight and skips its fused
@@ -100,7 +101,8 @@ class Bench:
 def run(args: argparse.Namespace) -> None:
     steps, warmup, mm_reps = (2, 1, 2) if args.quick else (args.steps, 2, 5)
     modes = (False, True) if args.compile else (False,)
-    benches = {(p, bf16, c): Bench(p, bf16, args.batch, c) for p in args.presets for bf16 in (False, True)
+    precisions = {"fp32": (False,), "bf16": (True,), "both": (False, True)}[args.precision]
+    benches = {(p, bf16, c): Bench(p, bf16, args.batch, c) for p in args.presets for bf16 in precisions
                for c in modes}
     peaks: dict[str, list[float]] = {"fp32": [], "bf16": []}
     seconds: dict[tuple[str, bool, bool], list[float]] = {key: [] for key in benches}
@@ -147,6 +149,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     p.add_argument("--matmul-n", type=int, default=2048)
     p.add_argument("--presets", nargs="+", default=list(CPU_MODEL_PRESETS), choices=CPU_MODEL_PRESETS)
+    p.add_argument("--precision", choices=("both", "fp32", "bf16"), default="both",
+                   help="fp32 only on a CPU without native bf16 (there torch emulates bf16 matmuls, ~47x slower)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="skip the torch.compile column (compiling takes minutes per config on a busy CPU)")
     args = p.parse_args()
