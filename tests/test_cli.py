@@ -33,8 +33,11 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, args, message):
 def test_help_mentions_examples(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at the terminal width
     assert "optim.name=muon" in out and "resumes" in out
+    from optquant.config import RUN_PRESETS
+
+    assert all(f" {name}," in out or f" {name} " in out for name in RUN_PRESETS)  # the literal list is complete
 
 
 def test_ptq_and_analyze_on_a_trained_run(corpus, tmp_path, capsys):

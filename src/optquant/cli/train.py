@@ -26,8 +26,8 @@ and skips a finished one (--force retrains it). Fields: see README ("Configurati
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train one model (FP, or QAT with --set qat.method=quest)",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", help="size preset: femto, pico, nano, micro, tiny (default), small, "
-                   "50m, 125m, 350m, 500m, 760m, 1.5b")
+    p.add_argument("--preset", help="size preset: zepto, atto, femto, pico, nano, micro, tiny (default), small, "
+                   "50m, 125m, 350m, 500m, 760m, 1.5b")  # literal: the CLI imports torch only when it runs
     p.add_argument("--config", type=Path, help="TOML file of settings (tables = config sections)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a setting, e.g. --set optim.name=shampoo (repeatable); optim.name also takes "
