@@ -276,7 +276,7 @@ def _qat_not_fp(d: StudyData) -> Check:
 
 def _rho_iv(d: StudyData) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
     """The headline (joint-fit) ρ_4bit with its interval for every optimizer whose ρ is identified, and
-    the optimizers whose ρ is not (scaling.py's verdict: a bound, too few sizes, or an interval wider
+    the optimizers whose ρ is not (optquant.scaling's verdict: a bound, too few sizes, or an interval wider
     than the spread across optimizers). A ρ that is not identified is not evidence either way."""
     joint = (d.fits or {}).get("joint") or {}
     reasons = (joint.get("diagnostics") or {}).get("reasons") or {}

@@ -264,7 +264,7 @@ def _one_norm(df: pd.DataFrame | None) -> pd.DataFrame | None:
 
 # ---------------------------------------------------------------- fits.json
 def fit_rho4(rho: object) -> float:
-    """ρ_4bit from either a number or scaling.py's {"4bit": x}."""
+    """ρ_4bit from either a number or optquant.scaling's {"4bit": x}."""
     if isinstance(rho, dict):
         rho = rho.get("4bit", math.nan)
     return math.nan if rho is None else float(rho)

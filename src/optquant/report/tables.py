@@ -51,11 +51,6 @@ def _argmin(vals: list[float]) -> int | None:
     return min(finite)[1] if len(finite) > 1 else None
 
 
-def _argmin_cols(vals: list[float], offset: int, row: int) -> set[tuple[int, int]]:
-    j = _argmin(vals)
-    return set() if j is None else {(row, j + offset)}
-
-
 @dataclass(frozen=True)
 class Quantity:
     """One column group of a seed table: a metric's rows, how to show it, which way is better."""
