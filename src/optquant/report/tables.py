@@ -45,12 +45,6 @@ def _missing(key: str, title: str, why: str) -> Table:
     return Table(key, title, missing=f"{NOT_RUN}: {why}")
 
 
-def _argmin(vals: list[float]) -> int | None:
-    """Index of the smallest finite value, if at least two are finite (one value is not a ranking)."""
-    finite = [(v, j) for j, v in enumerate(vals) if np.isfinite(v)]
-    return min(finite)[1] if len(finite) > 1 else None
-
-
 @dataclass(frozen=True)
 class Quantity:
     """One column group of a seed table: a metric's rows, how to show it, which way is better."""
