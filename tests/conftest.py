@@ -53,13 +53,14 @@ def nano_cfg(corpus):
 
 
 SMOKE_OVERRIDES = ("run=model.vocab_size=320", "optimizers=adamw,muon", "ptq_schemes=w4a4-rtn,w4a4-gptq-had",
-                   "lrs.adamw=0.001,0.003", "workers=1")
+                   "lrs.adamw=0.001,0.003", "sweeps.muon.optim.momentum=0.9,0.95", "workers=1")
 
 
 @pytest.fixture(scope="session")
 def smoke_study(tmp_path_factory, corpus):
     """A real study directory written by `run_study` on the smoke preset reduced to 2 optimizers × 2 sizes and
-    2 PTQ schemes (~30 s on one core). Tests that change files must copy it first."""
+    2 PTQ schemes, with a 2-point sweep of Muon's momentum (~30 s on one core). test_study checks the pipeline
+    on it, test_report the report. Tests that change files must copy it first."""
     from optquant.study.plan import run_study
     from optquant.study.spec import apply_study_overrides, study_preset
 

@@ -1,8 +1,13 @@
 """Study tests: the whole pipeline at smoke scale, its resumability, and the executors.
 
-The kill test runs the study CLI in a subprocess, SIGKILLs its process group once a few runs are
-done (mid-stage, with workers busy), reruns it, and compares results.parquet with an uninterrupted
-study: every deterministic metric must be equal (timings are excluded: they are measurements).
+The pipeline test reads conftest's session `smoke_study` (the smoke preset on 2 optimizers × 2 sizes, with a
+sweep of Muon's momentum), which test_report shares. The kill test runs the study CLI in a subprocess,
+SIGKILLs its process group in the middle of a training job, reruns the same command, and compares
+results.parquet with an uninterrupted study: every deterministic metric must be equal (timings are excluded:
+they are measurements). By default the study runs its jobs in its own process (workers=1), so the kill lands
+mid-run and leaves a checkpoint and partial metrics behind; the same test with 2 spawned workers busy at the
+kill is `slow` (each stage's pool costs two worker start-ups, ~80 s in all); test_reliability checks that such
+workers die with the study.
 """
 
 import json
@@ -23,14 +28,6 @@ from optquant.study.results import TIMING, refit
 from optquant.study.spec import StudySpec, apply_study_overrides, lr_grid, study_preset
 
 CL_TOLERANCE = 0.05  # relative; smoke runs are 30 steps, where one early step moves the loss by up to ~4 %
-
-
-def small_spec(corpus, **kw) -> StudySpec:
-    spec = study_preset("smoke")
-    spec = apply_study_overrides(spec, [f"run=data.source={corpus}", "run=model.vocab_size=320",
-                                        "optimizers=adamw,muon", "ptq_schemes=w4a4-rtn,w4a4-gptq-had",
-                                        "lrs.adamw=0.001,0.003"])
-    return apply_study_overrides(spec, [f"{k}={v}" for k, v in kw.items()])
 
 
 def test_lr_grid_and_overrides():
@@ -56,11 +53,11 @@ def test_bad_study_overrides():
         apply_study_overrides(StudySpec(), ["eval.limit=-1"])
 
 
-def test_study_end_to_end_with_sweep(corpus, tmp_path):
-    spec = small_spec(corpus, workers=1)
-    spec = apply_study_overrides(spec, ["sweeps.muon.optim.momentum=0.9,0.95"])
-    report = run_study(spec, tmp_path / "study")
-    df = pd.read_parquet(tmp_path / "study" / "results.parquet")
+def test_study_end_to_end_with_sweep(smoke_study):
+    root = smoke_study  # run_study on the smoke preset, with sweeps.muon.optim.momentum=0.9,0.95 (conftest)
+    sizes = tuple(json.loads((root / "study.json").read_text())["spec"]["sizes"])
+    assert len(sizes) == 2
+    df = pd.read_parquet(root / "results.parquet")
     assert set(df.kind) == {"fp", "cl", "qat"}
     cl = df[(df.kind == "cl") & (df.metric == "delta_val_loss")]
     assert len(cl) == 2 * 2 * 2 * 2  # optimizers × sizes × seeds × schemes
@@ -73,7 +70,7 @@ def test_study_end_to_end_with_sweep(corpus, tmp_path):
     assert len(cl) == 2 * 2 * 2
     gap = cl.val_loss / cl.cl_threshold - 1
     assert (gap <= 1e-4 + 1e-9).all() and (gap >= -CL_TOLERANCE).all(), gap
-    for run in (tmp_path / "study" / "runs").iterdir():  # found to the step: the step before was above CL
+    for run in (root / "runs").iterdir():  # found to the step: the step before was above CL
         summary = json.loads((run / "summary.json").read_text())
         if summary.get("cl_step"):
             *_, before, at = read_metrics(run)
@@ -81,25 +78,25 @@ def test_study_end_to_end_with_sweep(corpus, tmp_path):
             assert at["val_loss"] <= summary["cl_threshold"] < before["val_loss"]
     qat = df[(df.kind == "qat") & (df.metric == "qat_rel_degradation_pct")]
     assert len(qat) == 2 * 2 * 2 and qat.value.notna().all()
-    assert set(qat.bits) == {4} and set(qat["size"]) == set(spec.sizes)  # carried as data, not parsed from names
+    assert set(qat.bits) == {4} and set(qat["size"]) == set(sizes)  # carried as data, not parsed from names
     # every LR search ends with a status; only bracketed ones are unflagged
-    best = json.loads((tmp_path / "study" / "best.json").read_text())
+    best = json.loads((root / "best.json").read_text())
     assert {b["status"] for b in best.values()} <= {"bracketed", "diverged", "cap", "no-converged-lr"}
     assert all(b["seeds"] == 2 for b in best.values())
     # PTQ of every finished sweep run's final model (for within-size correlations)
     sweep = df[(df.kind == "fp") & (df.scheme == "w4a4-rtn") & (df.metric == "delta_val_loss")]
     assert len(sweep) == len(df[(df.kind == "fp") & (df.metric == "final_val_loss")])
-    assert not list((tmp_path / "study" / "runs").glob("*/history"))  # pruned after the CL stage
-    assert (tmp_path / "study" / "fits.json").exists() and report.exists()
+    assert not list((root / "runs").glob("*/history"))  # pruned after the CL stage
+    assert (root / "fits.json").exists() and (root / "report" / "index.html").exists()
     # correlations within each size over every model with PTQ rows (sweep runs + CL models), then pooled
-    corr = pd.read_parquet(tmp_path / "study" / "correlations.parquet")
-    assert set(corr["size"]) == {"pooled", *spec.sizes}
+    corr = pd.read_parquet(root / "correlations.parquet")
+    assert set(corr["size"]) == {"pooled", *sizes}
     rtn = df[(df.scheme == "w4a4-rtn") & (df.metric == "delta_val_loss") & df.kind.isin(["fp", "cl"])]
     pooled = corr[(corr["size"] == "pooled") & (corr["scheme"] == "w4a4-rtn") & (corr["metric"] == "R_L")
                   & (corr["target"] == "delta_val_loss")]  # fmt: skip
     assert list(pooled["n"]) == [rtn["value"].notna().sum()] and "pearson_partial" in corr
     # the sweep fixed muon's momentum for every size: its runs carry the chosen value
-    runs = [p for p in (tmp_path / "study" / "runs").iterdir() if "-muon-" in p.name]
+    runs = [p for p in (root / "runs").iterdir() if "-muon-" in p.name]
     assert any('"momentum": 0.9' in (p / "config.json").read_text() for p in runs)
 
 
@@ -107,26 +104,41 @@ def _deterministic(df: pd.DataFrame) -> pd.DataFrame:
     return df[~df.metric.isin(TIMING)].reset_index(drop=True)
 
 
-def _study_cmd(corpus, out: Path) -> list[str]:
-    return [sys.executable, "-m", "optquant.cli", "study", "--preset", "smoke", "--out", str(out), "--quiet",
-            "--set", f"run=data.source={corpus}", "--set", "run=model.vocab_size=320", "--set", "sizes=femto",
-            "--set", "optimizers=adamw,muon", "--set", "ptq_schemes=w4a4-gptq-had",
-            "--set", "lrs.adamw=0.001,0.003", "--set", "workers=2", "--set", "seeds=0", "--set", "lr_extensions=0"]
+def _kill_sets(corpus, workers: int) -> list[str]:
+    return [f"run=data.source={corpus}", "run=model.vocab_size=320", "sizes=femto", "optimizers=adamw,muon",
+            "ptq_schemes=w4a4-gptq-had", "lrs.adamw=0.001,0.003", f"workers={workers}", "seeds=0",
+            "lr_extensions=0"]
 
 
-def test_killed_study_resumes_to_the_same_results(corpus, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _mid_run(root: Path) -> bool:
+    """A run with a checkpoint and an evaluation written, and no summary yet: a job in the middle of training."""
+    return any((p.parent / "metrics.jsonl").exists() and not (p.parent / "summary.json").exists()
+               for p in root.glob("runs/*/checkpoint.safetensors"))
+
+
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_killed_study_resumes_to_the_same_results(corpus, tmp_path, monkeypatch, workers):
+    """Straight and resumed studies run in this process (same threads as the CLI's: one), the killed one
+    in a subprocess of its own session so that SIGKILL reaches the study and every worker at once. They
+    skip the report (the last step, of files already compared here; test_report tests it)."""
+    import optquant.report
+    from optquant.cli import main
+
+    monkeypatch.setattr(optquant.report, "render_report", lambda root: Path(root) / "report" / "index.html")
+    sets = _kill_sets(corpus, workers)
     straight = tmp_path / "straight"
-    subprocess.run(_study_cmd(corpus, straight), check=True, env=env, timeout=600)
+    run_study(apply_study_overrides(study_preset("smoke"), sets), straight)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_study_cmd(corpus, killed), env=env, start_new_session=True)
+    args = ["study", "--preset", "smoke", "--out", str(killed), "--quiet", *(x for s in sets for x in ("--set", s))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "optquant.cli", *args], env=env, start_new_session=True)
     deadline = time.time() + 300
-    while time.time() < deadline and len(list(killed.glob("runs/*/summary.json"))) < 3:
-        time.sleep(0.2)
+    while time.time() < deadline and not (len(list(killed.glob("runs/*/summary.json"))) >= 3 and _mid_run(killed)):
+        time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (killed / "results.parquet").exists()
-    subprocess.run(_study_cmd(corpus, killed), check=True, env=env, timeout=600)
+    assert not (killed / "results.parquet").exists() and _mid_run(killed)
+    assert main(args) == 0
     a = _deterministic(pd.read_parquet(straight / "results.parquet"))
     b = _deterministic(pd.read_parquet(killed / "results.parquet"))
     pd.testing.assert_frame_equal(a, b)
