@@ -52,6 +52,13 @@ def nano_cfg(corpus):
     ])
 
 
+@pytest.fixture(scope="session")
+def runs_cache(tmp_path_factory):
+    """Finished runs shared by the session: `train(cfg, run_dir(runs_cache, cfg))` trains cfg the first time
+    and, as train() skips a finished run, reads its summary every later time. Tests must not change them."""
+    return tmp_path_factory.mktemp("runs-cache")
+
+
 SMOKE_OVERRIDES = ("run=model.vocab_size=320", "optimizers=adamw,muon", "ptq_schemes=w4a4-rtn,w4a4-gptq-had",
                    "lrs.adamw=0.001,0.003", "sweeps.muon.optim.momentum=0.9,0.95", "workers=1")
 

@@ -83,8 +83,8 @@ def test_study_jobs_and_cli_share_one_lock():
     assert jobs.locked is locked
 
 
-def test_partial_last_metrics_line_is_recomputed_on_resume(nano_cfg, tmp_path):
-    straight = train(nano_cfg, tmp_path / "straight")
+def test_partial_last_metrics_line_is_recomputed_on_resume(nano_cfg, runs_cache, tmp_path):
+    straight = train(nano_cfg, run_dir(runs_cache, nano_cfg))
 
     def kill_at_25(info):
         if info["step"] == 25:
@@ -96,7 +96,7 @@ def test_partial_last_metrics_line_is_recomputed_on_resume(nano_cfg, tmp_path):
         f.write('{"step": 30, "train_loss": 2.1')  # an append cut short by a crash
     resumed = train(nano_cfg, tmp_path / "killed")
     assert resumed["final_val_loss"] == straight["final_val_loss"]
-    assert read_metrics(tmp_path / "killed") == read_metrics(tmp_path / "straight")
+    assert read_metrics(tmp_path / "killed") == read_metrics(run_dir(runs_cache, nano_cfg))
 
 
 def test_corrupt_summary_is_an_error_not_a_result(done_run, tmp_path, capsys, corpus):

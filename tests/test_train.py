@@ -2,7 +2,8 @@
 
 Exact resume is shown bitwise (a run interrupted after a checkpoint and resumed ends with the same
 losses as one that ran straight through); divergence, the Common Loss checkpoint and the skip of
-finished runs are checked through the files a run leaves behind.
+finished runs are checked through the files a run leaves behind. Runs that are only read (the straight
+runs) come from conftest's `runs_cache`, trained once per session.
 """
 
 import json
@@ -23,20 +24,21 @@ class Interrupt(Exception):
     pass
 
 
-def test_loss_falls_far_below_uniform(nano_cfg, tmp_path):
-    summary = train(nano_cfg, tmp_path / "run")
+def test_loss_falls_far_below_uniform(nano_cfg, runs_cache):
+    path = run_dir(runs_cache, nano_cfg)
+    summary = train(nano_cfg, path)
     assert summary["status"] == "done"
     assert summary["final_val_loss"] < 0.6 * math.log(nano_cfg.model.vocab_size)
-    assert (tmp_path / "run" / "model.safetensors").exists()
-    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (path / "model.safetensors").exists()
+    record = json.loads((path / "config.json").read_text())
     assert record["config"]["optim"]["name"] == "adamw" and "optquant_version" in record
-    assert len(read_metrics(tmp_path / "run")) == 4
+    assert len(read_metrics(path)) == 4
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
-def test_killed_run_resumes_bitwise(nano_cfg, tmp_path, name):
+def test_killed_run_resumes_bitwise(nano_cfg, runs_cache, tmp_path, name):
     cfg = apply_overrides(nano_cfg, [f"optim.name={name}"])
-    straight = train(cfg, tmp_path / "straight")
+    straight = train(cfg, run_dir(runs_cache, cfg))
 
     def kill_at_25(info):
         if info["step"] == 25:
@@ -47,7 +49,7 @@ def test_killed_run_resumes_bitwise(nano_cfg, tmp_path, name):
     assert not (tmp_path / "killed" / "summary.json").exists()
     resumed = train(cfg, tmp_path / "killed")
     assert resumed["final_val_loss"] == straight["final_val_loss"]  # bitwise
-    assert read_metrics(tmp_path / "killed") == read_metrics(tmp_path / "straight")
+    assert read_metrics(tmp_path / "killed") == read_metrics(run_dir(runs_cache, cfg))
 
 
 def test_diverged_run_is_recorded(nano_cfg, tmp_path):
@@ -58,9 +60,9 @@ def test_diverged_run_is_recorded(nano_cfg, tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "diverged"
 
 
-def test_common_loss_checkpoint_is_first_crossing(nano_cfg, tmp_path):
-    train(nano_cfg, tmp_path / "probe")
-    vals = [m["val_loss"] for m in read_metrics(tmp_path / "probe")]
+def test_common_loss_checkpoint_is_first_crossing(nano_cfg, runs_cache, tmp_path):
+    train(nano_cfg, run_dir(runs_cache, nano_cfg))
+    vals = [m["val_loss"] for m in read_metrics(run_dir(runs_cache, nano_cfg))]
     threshold = (vals[0] + vals[1]) / 2  # crossed first at the second evaluation
     cfg = apply_overrides(nano_cfg, [f"train.cl_threshold={threshold}"])
     summary = train(cfg, tmp_path / "cl")
@@ -69,10 +71,10 @@ def test_common_loss_checkpoint_is_first_crossing(nano_cfg, tmp_path):
     assert model.lm_head.weight is model.embed.weight
 
 
-def test_finished_run_is_skipped(nano_cfg, tmp_path):
-    first = train(nano_cfg, tmp_path / "run")
+def test_finished_run_is_skipped(nano_cfg, runs_cache):
+    first = train(nano_cfg, run_dir(runs_cache, nano_cfg))
     calls = []
-    again = train(nano_cfg, tmp_path / "run", on_step=calls.append)
+    again = train(nano_cfg, run_dir(runs_cache, nano_cfg), on_step=calls.append)
     assert again == first and calls == []
 
 
