@@ -93,12 +93,17 @@ def local_task(corpus, tmp_path) -> tuple:
 
 
 @pytest.fixture
-def trained_run(nano_cfg, tmp_path):
+def trained_run(nano_cfg, runs_cache, tmp_path):
+    """conftest's shared nano run, copied: the PTQ job writes into its run directory."""
+    import shutil
+
     from optquant.runs import run_dir
     from optquant.train import train
 
-    path = run_dir(tmp_path / "runs", nano_cfg)
-    train(nano_cfg, path)
+    shared = run_dir(runs_cache, nano_cfg)
+    train(nano_cfg, shared)
+    path = tmp_path / "runs" / shared.name
+    shutil.copytree(shared, path)
     return path
 
 
@@ -122,8 +127,9 @@ def test_lm_eval_local_task_equals_builtin_scorer(trained_run, corpus, tmp_path,
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)  # indexing the built-in tasks: ~10 s
     res = lm_eval.simple_evaluate(model=lm_eval_adapter(model, data.tokenizer, eot_id=data.eot_id),
-                                  tasks=["optquant_local_mc"], task_manager=TaskManager(include_path=str(tasks)),
+                                  tasks=["optquant_local_mc"], task_manager=manager,
                                   num_fewshot=0, batch_size=1, bootstrap_iters=0)
     r = res["results"]["optquant_local_mc"]
     assert r["acc,none"] == got["acc"] and r["acc_norm,none"] == got["acc_norm"]
