@@ -6,9 +6,9 @@ tool's idea of what a comment is. STYLE.md's target for the package is 5,000 lin
 
 from pathlib import Path
 
-# main at 9fd7873 counts 11,854 lines; the budget is that plus ~2 % while the code-health work (issue 13)
+# main at f86b60c counts 11,980 lines; the budget is that plus ~2 % while the code-health work (issue 13)
 # shrinks the package. Lower it as the package shrinks, so that growth has to be argued for.
-BUDGET = 12_100
+BUDGET = 12_220
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 
