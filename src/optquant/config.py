@@ -10,6 +10,7 @@ No YAML, no exec: every value is parsed by the type of the field it sets.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -279,6 +280,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+@functools.cache  # get_type_hints re-evaluates every annotation: ~20 % of a smoke study's time uncached
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
