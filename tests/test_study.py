@@ -144,9 +144,24 @@ def test_killed_study_resumes_to_the_same_results(corpus, tmp_path, monkeypatch,
     pd.testing.assert_frame_equal(a, b)
 
 
-def test_submitit_local_executor_runs_train_jobs(nano_cfg, tmp_path):
+@pytest.mark.parametrize("cluster", ["debug", pytest.param("local", marks=pytest.mark.slow)])
+def test_submitit_local_executor_runs_train_jobs(nano_cfg, tmp_path, monkeypatch, cluster):
+    """The submitit route of `execute` (the Slurm path). By default submitit's debug cluster runs each job in
+    this process through the same submit/result calls; `slow` runs them as submitit's local processes (each
+    imports torch and optquant: ~15 s). Job pickling across processes is covered by test_reliability's
+    worker pool."""
+    import submitit
+
     from optquant.config import apply_overrides, to_dict
 
+    real = submitit.AutoExecutor
+
+    def auto_executor(folder, cluster=None, **kw):
+        assert cluster == "local"  # what execute asks for with submitit-local
+        return real(folder=folder, cluster=chosen, **kw)
+
+    chosen = cluster
+    monkeypatch.setattr(submitit, "AutoExecutor", auto_executor)
     jobs = [Job("train", f"r{i}", {"config": to_dict(apply_overrides(nano_cfg, [f"seed={i}", "train.steps=10"])),
                                    "run_dir": str(tmp_path / f"r{i}")}) for i in range(2)]
     results = execute(jobs, "submitit-local", 1, tmp_path / "submitit")
