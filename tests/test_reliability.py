@@ -418,15 +418,17 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 def test_workers_die_with_a_killed_study(nano_cfg, tmp_path):
-    """SIGKILL the process that runs a pool of study workers: no worker (or helper) may outlive it."""
+    """SIGKILL the process that runs a pool of study workers (`run_local`, the pool `execute` runs local jobs
+    in; called directly, the parent skips execute's bookkeeping imports): no worker (or helper) may outlive it."""
     from optquant.config import apply_overrides, to_dict
 
     cfgs = [apply_overrides(nano_cfg, ["train.steps=100000", f"seed={s}"]) for s in (1, 2)]
     script = f"""
-        from optquant.study.executor import Job, execute
+        from optquant.study.executor import Job, run_local
         jobs = [Job("train", str(i), {{"config": c, "run_dir": {str(tmp_path)!r} + f"/run{{i}}"}})
                 for i, c in enumerate({[to_dict(c) for c in cfgs]!r})]
-        execute(jobs, "local", 2, None)
+        for _ in run_local(jobs, 2):
+            pass
     """
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)],
                               env={**os.environ, "PYTHONPATH": SRC}, stderr=subprocess.DEVNULL)
