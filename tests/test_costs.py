@@ -74,6 +74,20 @@ def test_ptq_job_loads_once_and_matches_separate_calls(nano_cfg, tmp_path, monke
     assert json.dumps(out, sort_keys=True) == json.dumps(separate, sort_keys=True)
 
 
+def test_a_finished_ptq_job_is_answered_from_files_only_when_they_cover_it(nano_cfg, tmp_path):
+    """A PTQ result written without the built-in task or lm-eval tasks is not the answer to a job that asks
+    for them: the executor redoes it (the study's rerun after eval.* changed)."""
+    run = tmp_path / "run"
+    train(apply_overrides(nano_cfg, ["train.steps=6"]), run)
+    scheme = asdict(scheme_config("w4a4-rtn"))
+    args = {"run_dir": str(run), "ptq": scheme, "weights": "final"}
+    ptq_job(**args, mc_items=0)
+    assert executor.done_result(Job("ptq", "a", {**args, "mc_items": 0})) is not None
+    assert executor.done_result(Job("ptq", "b", {**args, "mc_items": 20})) is None
+    tasks = {"tasks": ["some_task"], "include_path": "", "limit": 0}
+    assert executor.done_result(Job("ptq", "c", {**args, "mc_items": 0, "harness": tasks})) is None
+
+
 def test_cost_section_from_the_executor_log(nano_cfg, tmp_path):
     jobs = [_train_job(nano_cfg, tmp_path, f"r{i}", "train.steps=4", f"seed={i}") for i in range(2)]
     execute(jobs, "local", 1, tmp_path / "submitit")

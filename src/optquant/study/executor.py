@@ -82,19 +82,20 @@ def timed_job(job: Job) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def done_result(job: Job) -> dict[str, Any] | None:
     """The result of a job whose outputs already exist (read from its files), else None."""
-    from optquant.analysis import AnalysisConfig, read_result
+    from optquant.analysis import covers, read_result
     from optquant.files import read_json
     from optquant.runs import read_summary
+    from optquant.study.jobs import analysis_config
 
     if job.kind == "train":
         return read_summary(Path(job.args["run_dir"]))
     if job.kind == "ptq":
         from optquant.quant.ptq import PTQConfig
 
-        acfg, name = AnalysisConfig(weights=job.args["weights"]), PTQConfig(**job.args["ptq"]).name
-        path = Path(job.args["run_dir"])
+        acfg = analysis_config(job.args["weights"], job.args["mc_items"], job.args.get("harness"))
+        name, path = PTQConfig(**job.args["ptq"]).name, Path(job.args["run_dir"])
         damage, metrics = read_result(path, acfg, name, "summary.json"), read_result(path, acfg, name, "analysis.json")
-        return {**damage, **metrics} if damage is not None and metrics is not None else None
+        return {**damage, **metrics} if covers(damage, acfg) and metrics is not None else None  # else redo
     if job.kind == "outliers":
         path = Path(job.args["run_dir"]) / "ptq" / "final" / "outliers.json"
         return read_json(path) if path.exists() else None

@@ -34,14 +34,19 @@ def train_job(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
         return train(from_dict(config), Path(run_dir))
 
 
+def analysis_config(weights: str, mc_items: int, harness: dict[str, Any] | None = None) -> AnalysisConfig:
+    """A PTQ job's AnalysisConfig from its (picklable) arguments."""
+    h = HarnessConfig(**{**(harness or {}), "tasks": tuple((harness or {}).get("tasks", ()))})
+    return AnalysisConfig(weights=weights, mc_items=mc_items, harness=h)
+
+
 def ptq_job(run_dir: str, ptq: dict[str, Any], weights: str, mc_items: int,
             harness: dict[str, Any] | None = None) -> dict[str, Any]:
     """PTQ damage + outliers + ABC for one (model, scheme); reuses what an earlier attempt wrote (if it
     covers the evaluations asked for). `harness`: lm-eval tasks (HarnessConfig as a dict) to score on.
     The model, its tokens and the quantized copy are loaded/built once for both parts. The result's
     `TIMING_KEY` entry (seconds of each part) is for the executor's cost log, which removes it."""
-    h = HarnessConfig(**{**(harness or {}), "tasks": tuple((harness or {}).get("tasks", ()))})
-    qcfg, acfg = PTQConfig(**ptq), AnalysisConfig(weights=weights, mc_items=mc_items, harness=h)
+    qcfg, acfg = PTQConfig(**ptq), analysis_config(weights, mc_items, harness)
     path = Path(run_dir)
     run: LoadedRun | None = None
     parts = {}

@@ -23,10 +23,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from optquant.analysis import AnalysisConfig, covers, out_dir, scheme_config
+from optquant.analysis import scheme_config
 from optquant.checkpoint import atomic_write_json, atomic_write_text
 from optquant.config import RunConfig, apply_overrides, run_preset, to_dict
-from optquant.files import read_json
 from optquant.harness import HarnessConfig, task_manager
 from optquant.runs import read_config, read_metrics, run_dir
 from optquant.study.bracket import bracket, extensions, refinement
@@ -216,11 +215,6 @@ def ptq_stage(study: Study, cl_paths: dict[tuple, Path], table: dict) -> dict[st
     spec = study.spec
     mc = 0 if spec.eval.tasks else 200 if spec.name != "smoke" else 20
     jobs = [ptq_job(path, scheme, "cl", mc, spec.eval) for path in cl_paths.values() for scheme in spec.ptq_schemes]
-    acfg = AnalysisConfig(weights="cl", mc_items=mc, harness=spec.eval)
-    for path, scheme in [(p, s) for p in cl_paths.values() for s in spec.ptq_schemes]:
-        summary = out_dir(path, acfg, scheme) / "summary.json"  # one written before eval.* changed: redo it
-        if summary.exists() and not covers(read_json(summary), acfg):
-            summary.unlink()
     finished = [study.runs / s["run_id"] for row in table.values() for sums in row["lrs"].values() for s in sums
                 if s.get("status") == "done"]
     jobs += [ptq_job(path, scheme, "final", 0) for path in finished for scheme in spec.sweep_ptq_schemes]
