@@ -19,7 +19,8 @@ module's evaluations; these also give the linear's f(h^q) and f^q(h) when it rea
 input (q/k/v, up), so only o and down are evaluated again.
 
 Cost: a module's four evaluations are two calls, f and f^q on h and h^q stacked; f^q is not called
-when it computes f (the unquantized head), nor h^q passed when it equals h (the first module). The
+when it computes f, nor h^q passed when it equals h (the first module). The unquantized head, W·norm(x)
+with W = QR, is not evaluated at all: ‖Wx‖ = ‖Rx‖ gives its rows from d-wide products. The
 fp64 bookkeeping reduces rows without forming a and b. Linear rows add ‖MΔH‖² (below) per batch, as
 ⟨ΔHᵀΔH, MᵀM⟩ when in ≤ out (q/k/v share ΔHᵀΔH), and two spectral norms per layer; ‖WH‖² is the
 linear's own ‖f(h)‖² (so in an fp32 model it carries the fp32 rounding of the layer's output).
@@ -291,6 +292,7 @@ class _Link:
     fq: Callable[[Tensor], Tensor]
     linears: list[str]  # qualified names of the quantized linears inside this module
     same: bool  # fq computes exactly f (nothing quantized inside): f^q(x) = f(x) is not evaluated again
+    readout: tuple[nn.Module, Tensor] | None = None  # (norm, R) when f = f^q = W∘norm, W = QR: see _readout_rows
 
 
 def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
@@ -317,7 +319,14 @@ def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
                     break
     elif cfg.granularity != "sublayer":
         raise OptquantError(f"propagation: granularity must be sublayer|linear, got {cfg.granularity!r}")
+    last = links[-1]
+    if last.name == "head" and last.same and not last.linears and _bias_free(fp.lm_head):
+        last.readout = fp.norm, torch.linalg.qr(fp.lm_head.weight.detach().double(), mode="r").R
     return links
+
+
+def _bias_free(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear | QuantLinear) and m.bias is None
 
 
 def _same(fp_parts: tuple[nn.Module, ...], q_parts: tuple[nn.Module, ...]) -> bool:
@@ -339,6 +348,8 @@ def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums]
                work: dict) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
     """The four evaluations of one chain module (plus its linears), as two batched calls; returns the
     next (h, h^q) and their per-row input norms (this module's output norms: nothing is recomputed)."""
+    if link.readout is not None:
+        return None, None, _readout_rows(link.readout, h, hq, sums[link.name], inp)
     fp_lin = {n: fp.get_submodule(n) for n in link.linears}
     q_lin = {n: q.get_submodule(n) for n in link.linears}
     B = h.shape[0]
@@ -371,6 +382,19 @@ def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums]
             sums[n].add_rows(xs.rows, output_rows((lin_ff, lin_fq, lin_qf, lin_qq), work))
             sums[n].add_gain(xs)
     return y_ff, y_qq, (out["y"], out["d"])
+
+
+def _readout_rows(readout: tuple[nn.Module, Tensor], h: Tensor, hq: Tensor, sums: _Sums,
+                  inp: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """The head's rows when it is the same in both models, y = W·norm(x) with a bias-free W = QR: then
+    a = Δy and b = 0, and ‖W x‖ = ‖R x‖ gives ‖y‖² and ‖Δy‖² from d × d products, without evaluating
+    the V-wide logits (in fp64 from norm's outputs; an fp32 model's logits would carry fp32 rounding)."""
+    norm, R = readout
+    n, nq = _rows2d(norm(h)), _rows2d(norm(hq))
+    y, d = _sq(n @ R.T), _sq((nq - n) @ R.T)
+    zero = torch.zeros_like(y)
+    sums.add_rows(inp, {"d": d, "y": y, "a": d, "b": zero, "ab": zero})
+    return y, d
 
 
 def _rows(links: list[_Link], sums: dict[str, _Sums]) -> list[ABCRow]:
