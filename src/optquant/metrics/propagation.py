@@ -120,50 +120,32 @@ def four_evals(f: Callable, fq: Callable, h: Tensor, hq: Tensor) -> tuple[Tensor
 
 
 def _rows2d(x: Tensor) -> Tensor:
-    return x.double().reshape(-1, x.shape[-1])
+    """x as (rows, width) in the dtype the bookkeeping computes in: the model's own when fp32 or fp64,
+    fp32 for 16-bit formats."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 def _sq(x: Tensor) -> Tensor:
-    """Per-row squared norm of a 2-D tensor, accumulated in fp64."""
-    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float64).square()
+    """Per-row squared norm of a 2-D tensor, as fp64 for the sums over rows."""
+    return torch.linalg.vector_norm(x, dim=-1).double().square()
 
 
-def _buffers(work: dict, rows: tuple[int, int], device: torch.device) -> list[Tensor]:
-    """Six fp64 buffers of shape `rows`, kept in `work` for the next call: on CPU, fresh pages cost the
-    bookkeeping more than its arithmetic."""
-    if (rows, device) not in work:
-        work[rows, device] = [torch.empty(rows, dtype=torch.float64, device=device) for _ in range(6)]
-    return work[rows, device]
-
-
-def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor], work: dict | None = None) -> dict[str, Tensor]:
-    """Per-row ‖y‖², ‖Δy‖², ‖a‖², ‖b‖², 2⟨a,b⟩ in fp64 from f(h), f(h^q), f^q(h), f^q(h^q).
+def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor]) -> dict[str, Tensor]:
+    """Per-row ‖y‖², ‖Δy‖², ‖a‖², ‖b‖², 2⟨a,b⟩ (fp64) from f(h), f(h^q), f^q(h), f^q(h^q).
 
     With u = qq − ff (= Δy) and v = fq − qf, the Shapley terms of `shapley_split` are a = ½(u + v) and
-    b = ½(u − v), so ‖a‖² = ¼(‖u‖² + ‖v‖² + 2⟨u,v⟩), ‖b‖² = ¼(‖u‖² + ‖v‖² − 2⟨u,v⟩) and
-    2⟨a,b⟩ = ½(‖u‖² − ‖v‖²): three row reductions instead of materialising a and b (equal up to
-    rounding, ~1e-16 of ‖u‖² + ‖v‖²)."""
-    rows = tuple(ys[0].reshape(-1, ys[0].shape[-1]).shape)
-    bufs = _buffers({} if work is None else work, rows, ys[0].device)
-    ff, fq, qf, qq = _as64(ys, bufs[:4], rows)
-    u = torch.sub(qq, ff, out=bufs[4])
+    b = ½(u − v). They are formed in the outputs' dtype: a difference is rounded relative to itself, so
+    in an fp32 model the terms agree with fp64 arithmetic to ~1e-8 (relative), and fp32 passes move
+    half the bytes of fp64 ones; only the sums over rows are fp64."""
+    ff, fq, qf, qq = (_rows2d(y) for y in ys)
+    u = qq - ff
     if qf is ff and qq is fq:  # f^q = f (e.g. an unquantized head): v = u, a = Δy, b = 0
-        uu = vv = uv = _sq(u)
+        a, b = u, torch.zeros_like(u)
     else:
-        v = torch.sub(fq, qf, out=bufs[5])
-        uu, vv, uv = _sq(u), _sq(v), torch.linalg.vecdot(u, v)
-    return {"d": uu, "y": _sq(ff), "a": 0.25 * (uu + vv + 2 * uv), "b": 0.25 * (uu + vv - 2 * uv),
-            "ab": 0.5 * (uu - vv)}
-
-
-def _as64(ys: tuple[Tensor, ...], bufs: list[Tensor], rows: tuple[int, int]) -> list[Tensor]:
-    """`ys` as fp64 (rows, width) tensors, copied into `bufs`; views of the same data are copied once
-    and come back as one tensor (an evaluation that two of the four share)."""
-    done: dict[tuple, Tensor] = {}
-    for y, buf in zip(ys, bufs, strict=True):
-        if _view(y) not in done:
-            done[_view(y)] = y.reshape(rows) if y.dtype == torch.float64 else buf.copy_(y.reshape(rows))
-    return [done[_view(y)] for y in ys]
+        v = fq - qf
+        a, b = 0.5 * (u + v), 0.5 * (u - v)
+    return {"d": _sq(u), "y": _sq(ff), "a": _sq(a), "b": _sq(b), "ab": 2 * torch.linalg.vecdot(a, b).double()}
 
 
 def _view(x: Tensor) -> tuple:
@@ -172,8 +154,8 @@ def _view(x: Tensor) -> tuple:
 
 
 class _Input:
-    """A module's input in the two chains, x and x^q, as fp64 rows: ΔH = x^q − x, the row norms
-    (‖x‖², ‖ΔH‖²) and, on demand, ΔHᵀΔH."""
+    """A module's input in the two chains, x and x^q, as rows: ΔH = x^q − x, the row norms
+    (‖x‖², ‖ΔH‖²) and, on demand, ΔHᵀΔH (fp64)."""
 
     def __init__(self, x: Tensor, xq: Tensor) -> None:
         H = _rows2d(x)
@@ -182,7 +164,7 @@ class _Input:
 
     @cached_property
     def gram(self) -> np.ndarray:
-        return _syrk(self.dH)
+        return _syrk(self.dH).astype(np.float64)
 
 
 class _Sums:
@@ -193,7 +175,7 @@ class _Sums:
         self.tok = dict.fromkeys(TERMS, 0.0)
         self.ten = dict.fromkeys(("d", "a", "b", "ab", "y", "din", "hin"), 0.0)
         self.n = 0
-        self.W, self.M = W, 0.5 * (W.double() + Wq.double()) if W is not None and W.shape == Wq.shape else None
+        self.W, self.M = W, 0.5 * (_rows2d(W) + _rows2d(Wq)) if W is not None and W.shape == Wq.shape else None
         # ‖MΔH‖² summed directly, or ΣΔHᵀΔH for ⟨ΔHᵀΔH, MᵀM⟩ at the end (`add_gain`); ‖WH‖², ‖H‖², ‖ΔH‖²
         # are the sums y, hin, din
         self.MdH, self.dHdH = 0.0, None
@@ -216,14 +198,14 @@ class _Sums:
         if self.M.shape[1] <= self.M.shape[0]:
             self.dHdH = x.gram if self.dHdH is None else self.dHdH + x.gram
         else:
-            self.MdH += _sq(x.dH @ self.M.T).sum().item()
+            self.MdH += _sq(x.dH @ self.M.T).sum().item()  # the model's dtype, as the rows
 
     def gains(self) -> tuple[float, float, float]:
         """(G1, G2, G_lin) of a linear layer, nan for other modules."""
         if self.M is None:
             return (math.nan,) * 3
         gram_M = _gram(self.M)  # MᵀM whenever dHdH was accumulated
-        MdH = self.MdH if self.dHdH is None else self.MdH + _sym_inner(self.dHdH, gram_M)
+        MdH = self.MdH if self.dHdH is None else self.MdH + _sym_inner(self.dHdH, gram_M.astype(np.float64))
         t = self.ten
         return gain_terms(spectral_norm(self.W), _top_singular(gram_M), MdH, t["din"], t["y"], t["hin"])
 
@@ -258,13 +240,15 @@ def gain_terms(spec_W: float, spec_M: float, sq_MdH: float, sq_dH: float, sq_WH:
 
 
 def _syrk(X: Tensor) -> np.ndarray:
-    """XᵀX of X (rows, n) in fp64 as its upper triangle (the lower one is 0): BLAS syrk, half the flops
-    of X.T @ X."""
-    return scipy.linalg.blas.dsyrk(1.0, X.detach().double().cpu().numpy().T)  # the numpy .T is Xᵀ, no copy
+    """XᵀX of X (rows, n) as its upper triangle (the lower one is 0), in X's dtype (fp32 or fp64): BLAS
+    syrk, half the flops of X.T @ X."""
+    X = _rows2d(X.detach()).cpu()
+    syrk = scipy.linalg.blas.ssyrk if X.dtype == torch.float32 else scipy.linalg.blas.dsyrk
+    return syrk(1.0, X.numpy().T)  # the numpy .T is Xᵀ, no copy
 
 
 def _gram(W: Tensor) -> np.ndarray:
-    """The smaller Gram matrix of W (out, in) in fp64, upper triangle: WᵀW when in ≤ out, else WWᵀ."""
+    """The smaller Gram matrix of W (out, in), upper triangle: WᵀW when in ≤ out, else WWᵀ."""
     return _syrk(W) if W.shape[1] <= W.shape[0] else _syrk(W.T.contiguous())
 
 
@@ -274,25 +258,26 @@ def _sym_inner(A: np.ndarray, B: np.ndarray) -> float:
 
 
 def _top_singular(gram: np.ndarray) -> float:
-    """√λ_max of a Gram matrix (upper triangle); LAPACK's dsyevr finds the one eigenvalue in ~60 % of a
-    full eigvalsh."""
+    """√λ_max of a Gram matrix (upper triangle) in its dtype (fp32: ~3e-7 relative, twice as fast);
+    LAPACK's syevr finds the one eigenvalue in ~60 % of a full eigvalsh."""
     n = gram.shape[0]
     lam = scipy.linalg.eigvalsh(gram, lower=False, subset_by_index=[n - 1, n - 1], check_finite=False)[0]
     return math.sqrt(max(float(lam), 0.0))
 
 
 def spectral_norm(W: Tensor) -> float:
-    """‖W‖₂ = √λ_max of the smaller Gram matrix: a symmetric eigenproblem, several times cheaper than
-    the SVD of a rectangular W and equal to it to ~1e-15."""
+    """‖W‖₂ = √λ_max of the smaller Gram matrix, in W's dtype: a symmetric eigenproblem, several times
+    cheaper than the SVD of a rectangular W and equal to it to ~1e-15 in fp64."""
     return _top_singular(_gram(W))
 
 
 def gain_split(W: Tensor, Wq: Tensor, h: Tensor, hq: Tensor) -> tuple[float, float, float]:
     """(G1, G2, G_lin) of a bias-free linear layer with weights W (FP) and Wq (quantized) on inputs
     h (FP chain) and hq (quantized chain), tensor norm."""
-    M = 0.5 * (W.double() + Wq.double())
-    H, dH = _rows2d(h), _rows2d(hq) - _rows2d(h)
-    sq = [x.square().sum().item() for x in (dH @ M.T, dH, H @ W.double().T, H)]
+    W, Wq = W.double(), Wq.double()
+    M = 0.5 * (W + Wq)
+    H, dH = _rows2d(h.double()), _rows2d(hq.double()) - _rows2d(h.double())
+    sq = [x.square().sum().item() for x in (dH @ M.T, dH, H @ W.T, H)]
     return gain_terms(spectral_norm(W), spectral_norm(M), *sq)
 
 
@@ -333,7 +318,7 @@ def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
         raise OptquantError(f"propagation: granularity must be sublayer|linear, got {cfg.granularity!r}")
     last = links[-1]
     if last.name == "head" and last.same and not last.linears and _bias_free(fp.lm_head):
-        last.readout = fp.norm, torch.linalg.qr(fp.lm_head.weight.detach().double(), mode="r").R
+        last.readout = fp.norm, torch.linalg.qr(_rows2d(fp.lm_head.weight.detach()), mode="r").R
     return links
 
 
@@ -356,8 +341,8 @@ def _halves(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
     return (x, x) if x.shape[0] == n else (x[:n], x[n:])
 
 
-def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums], inp: tuple[Tensor, Tensor],
-               work: dict) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums],
+               inp: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
     """The four evaluations of one chain module (plus its linears), as two batched calls; returns the
     next (h, h^q) and their per-row input norms (this module's output norms: nothing is recomputed)."""
     if link.readout is not None:
@@ -375,7 +360,7 @@ def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums]
     else:
         with capture(q, q_lin, outputs=True) as acts_q:
             y_qf, y_qq = _halves(link.fq(hh), B)
-    out = output_rows((y_ff, y_fq, y_qf, y_qq), work)
+    out = output_rows((y_ff, y_fq, y_qf, y_qq))
     sums[link.name].add_rows(inp, out)
     inputs: dict[tuple, _Input] = {}  # one per distinct (x, x^q): q/k/v share one
     for n in link.linears:
@@ -391,7 +376,7 @@ def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums]
                 lin_qf = q_lin[n](x)
             key = (_view(x), _view(xq))
             xs = inputs[key] = inputs.get(key) or _Input(x, xq)
-            sums[n].add_rows(xs.rows, output_rows((lin_ff, lin_fq, lin_qf, lin_qq), work))
+            sums[n].add_rows(xs.rows, output_rows((lin_ff, lin_fq, lin_qf, lin_qq)))
             sums[n].add_gain(xs)
     return y_ff, y_qq, (out["y"], out["d"])
 
@@ -446,13 +431,13 @@ def propagation(
     modes = fp.training, q.training
     fp.eval(), q.eval()
     try:
-        device, work = next(fp.parameters()).device, {}
+        device = next(fp.parameters()).device
         for batch in batches:
             idx = (batch[0] if isinstance(batch, tuple | list) else batch).to(device)
             h, hq = fp.embed(idx), q.embed(idx)
             inp = _Input(h, hq).rows
             for link in links:
-                h, hq, inp = _step_link(fp, q, link, h, hq, sums, inp, work)
+                h, hq, inp = _step_link(fp, q, link, h, hq, sums, inp)
     finally:
         fp.train(modes[0]), q.train(modes[1])
     rows = _rows(links, sums)
