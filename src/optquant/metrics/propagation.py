@@ -134,20 +134,22 @@ def _sq(x: Tensor) -> Tensor:
 
 
 def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor]) -> dict[str, Tensor]:
-    """Per-row ‖y‖², ‖Δy‖², ‖a‖², ‖b‖², 2⟨a,b⟩ (fp64) from f(h), f(h^q), f^q(h), f^q(h^q).
+    """Per-row ‖y‖², ‖a‖², ‖b‖², 2⟨a,b⟩ and ‖Δy‖² = ‖a + b‖² (fp64) from f(h), f(h^q), f^q(h), f^q(h^q).
 
     With u = qq − ff (= Δy) and v = fq − qf, the Shapley terms of `shapley_split` are a = ½(u + v) and
-    b = ½(u − v). They are formed in the outputs' dtype: a difference is rounded relative to itself, so
-    in an fp32 model the terms agree with fp64 arithmetic to ~1e-8 (relative), and fp32 passes move
-    half the bytes of fp64 ones; only the sums over rows are fp64."""
+    b = ½(u − v). They are formed in the outputs' dtype (an fp32 pass moves half the bytes of an fp64
+    one): a difference is rounded relative to itself, so in an fp32 model the terms agree with fp64
+    arithmetic to ~1e-7. ‖Δy‖² is summed as ‖a‖² + ‖b‖² + 2⟨a,b⟩, so R = A + B + C to fp64 rounding."""
     ff, fq, qf, qq = (_rows2d(y) for y in ys)
     u = qq - ff
     if qf is ff and qq is fq:  # f^q = f (e.g. an unquantized head): v = u, a = Δy, b = 0
-        a, b = u, torch.zeros_like(u)
+        a = _sq(u)
+        b = ab = torch.zeros_like(a)
     else:
         v = fq - qf
-        a, b = 0.5 * (u + v), 0.5 * (u - v)
-    return {"d": _sq(u), "y": _sq(ff), "a": _sq(a), "b": _sq(b), "ab": 2 * torch.linalg.vecdot(a, b).double()}
+        a2, b2 = u + v, u - v  # 2a, 2b
+        a, b, ab = 0.25 * _sq(a2), 0.25 * _sq(b2), 0.5 * torch.linalg.vecdot(a2, b2).double()
+    return {"d": a + b + ab, "y": _sq(ff), "a": a, "b": b, "ab": ab}
 
 
 def _view(x: Tensor) -> tuple:
