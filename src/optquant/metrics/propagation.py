@@ -23,7 +23,7 @@ when it computes f, nor h^q passed when it equals h (the first module). The unqu
 with W = QR, is not evaluated at all: ‖Wx‖ = ‖Rx‖ gives its rows from d-wide products. The bookkeeping
 (a, b, ΔH, Gram matrices, spectral norms) computes in the model's dtype, fp32 for an fp32 model, and
 sums over rows and batches in fp64: a difference of two outputs is rounded relative to itself, so the
-terms agree with fp64 arithmetic to ~1e-8 (G1, G2 ~3e-7, through fp32 eigenvalues); an fp64 model gives
+terms agree with fp64 arithmetic to ~1e-7 (G1, G2 ~3e-7, through fp32 eigenvalues); an fp64 model gives
 the fp64 numbers. Linear rows add ‖MΔH‖² (below) per batch, as ⟨ΔHᵀΔH, MᵀM⟩ when in ≤ out (q/k/v share
 ΔHᵀΔH), and two spectral norms per layer; ‖WH‖² is the linear's own ‖f(h)‖².
 
@@ -453,7 +453,7 @@ def _keep_freed_memory() -> None:
     """Allocate and free one 31 MiB block (its pages are never touched). glibc's malloc keeps freed
     blocks for reuse up to a threshold that follows the largest block freed so far (capped at 32 MiB);
     below it, the stacked evaluations' multi-MB activations would be fresh mappings each call, every page
-    a fault (~100k faults, ~15 % of the analysis at `small` in a fresh process). No effect where the
+    a fault (40–90k faults, ~12 % of the analysis at `small` in a fresh process). No effect where the
     threshold is already as high (e.g. after training) or with another allocator."""
     block = torch.empty(31 << 20, dtype=torch.uint8)
     del block
