@@ -19,14 +19,11 @@ from pathlib import Path
 from optquant.report import curves, figures, paper
 from optquant.report.claims import claims_table
 from optquant.report.costs import cost_section
+from optquant.report.diagnostics import cl_table, correlation_table, cost_table, lr_status_table
+from optquant.report.fits import fit_diagnostics_table, table10, table10_joint
 from optquant.report.html import Section, page
 from optquant.report.load import StudyData, fmt_count, load_study
 from optquant.report.tables import (
-    cl_table,
-    correlation_table,
-    cost_table,
-    fit_diagnostics_table,
-    lr_status_table,
     outlier_table,
     paper_table,
     paper_values_table,
@@ -34,8 +31,6 @@ from optquant.report.tables import (
     table3,
     table3_schemes,
     table4,
-    table10,
-    table10_joint,
     task_tables,
     to_markdown,
 )

@@ -26,7 +26,7 @@ import pandas as pd
 
 from optquant.errors import OptquantError
 from optquant.files import parse_metrics, read_parquet
-from optquant.report.paper import LABELS
+from optquant.report.paper import LABELS, by_label
 
 log = logging.getLogger(__name__)
 
@@ -204,9 +204,7 @@ def load_study(study_dir: str | Path) -> StudyData:
     for s, g in results.groupby("size"):
         n_params.setdefault(str(s), float(g["n_params"].median()))
     sizes = tuple(sorted(set(n_params) | set(results["size"]), key=lambda s: (n_params.get(s, math.inf), s)))
-    opts = set(results["optimizer"])
-    order = list(LABELS)
-    optimizers = tuple(sorted(opts, key=lambda o: (order.index(o) if o in order else len(order), o)))
+    optimizers = tuple(by_label(set(results["optimizer"])))
     return StudyData(
         root=root,
         spec=info.get("spec") or {},
@@ -279,10 +277,10 @@ def fit_interval(intervals: dict | None, *names: str) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------- formatting
-def fmt(v: float | None, digits: int = 4) -> str:
+def fmt(v: float | None, digits: int = 4, signed: bool = False) -> str:
     if v is None or not np.isfinite(v):
         return "–"
-    return f"{v:.{digits}f}"
+    return f"{v:{'+' if signed else ''}.{digits}f}"
 
 
 def fmt_lr(lr: float) -> str:
