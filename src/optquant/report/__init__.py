@@ -118,10 +118,6 @@ def _qat_sections(d: StudyData, fig_dir: Path) -> list[Section]:
     ]  # fmt: skip
 
 
-def _sections(d: StudyData, fig_dir: Path) -> list[Section]:
-    return [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir), cost_section(d.root)]
-
-
 def _header(d: StudyData) -> str:
     r = d.results
     kinds = ", ".join(f"{k}: {r.loc[r['kind'] == k, 'run_id'].nunique()}" for k in ("fp", "cl", "qat"))
@@ -145,7 +141,8 @@ def render_report(study_dir: str | Path) -> Path:
     for stale in fig_dir.glob("*.png"):  # a rebuilt report must not show figures of an earlier build
         stale.unlink()
     title = f"optquant report — {d.spec.get('name') or d.root.name}"
-    text = page(title, _header(d), _sections(d, fig_dir), d.spec)
+    sections = [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir), cost_section(d.root)]
+    text = page(title, _header(d), sections, d.spec)
     path = out / "index.html"
     tmp = path.with_suffix(".html.tmp")
     tmp.write_text(text, encoding="utf-8")

@@ -128,25 +128,18 @@ def _mmr_low(d: StudyData) -> Check:
     return _best_of(d, r, "muon", _rank_how("MMR (per-token) of the CL models, Muon lowest"), "MMR rows")
 
 
-def _ptq(d: StudyData, lower: bool, target: str) -> Check:
+def _ptq(d: StudyData, least: bool, target: str, task: str | None = None) -> Check:
+    """Is `target` the least (most) damaged CL model under PTQ: by Δ val loss, or with an lm-eval `task` by
+    the paper's own measure, the drop in zero-shot acc_norm (there a higher Δ is more robust)."""
     scheme = d.paper_scheme()
-    how = _rank_how(f"Δ val loss under {scheme} of the CL models, {d.label(target)} "
-                    f"{'smallest' if lower else 'largest'}")  # fmt: skip
+    name, metric, drop, lower = ("Δ val loss", "delta_val_loss", "", least) if task is None else \
+        ("Δ acc_norm", f"delta_acc_norm/{task}", " drop", not least)
+    on = "" if task is None else f" on {d.task_label(task)} (lm-eval)"
+    how = _rank_how(f"{name}{on} under {scheme} of the CL models, {d.label(target)} "
+                    f"{'smallest' if least else 'largest'}{drop}")  # fmt: skip
     if scheme is None:
         return _na(how, "no PTQ rows")
-    return _best_of(d, _ranking(d, "cl", "delta_val_loss", scheme, lower_is_better=lower), target, how,
-                    "Δ val loss rows")  # fmt: skip
-
-
-def _ptq_acc(d: StudyData, least: bool, target: str, task: str) -> Check:
-    """The paper's own measure: the drop in zero-shot acc_norm on lm-eval `task` (higher Δ = more robust)."""
-    scheme = d.paper_scheme()
-    how = _rank_how(f"Δ acc_norm on {d.task_label(task)} (lm-eval) under {scheme} of the CL models, "
-                    f"{d.label(target)} {'smallest drop' if least else 'largest drop'}")  # fmt: skip
-    if scheme is None:
-        return _na(how, "no PTQ rows")
-    return _best_of(d, _ranking(d, "cl", f"delta_acc_norm/{task}", scheme, lower_is_better=not least), target,
-                    how, "Δ acc_norm rows")  # fmt: skip
+    return _best_of(d, _ranking(d, "cl", metric, scheme, lower_is_better=lower), target, how, f"{name} rows")
 
 
 def _corr_rows(d: StudyData, size: str) -> dict | None:
@@ -365,7 +358,7 @@ def check_claims(d: StudyData) -> dict[str, tuple[Claim, Check]]:
         out[c.key] = (c, _CHECKS[c.key](d))
         if task is not None and c.key in _ACC_CHECKS:
             acc = Claim(f"{c.key}_acc", f"{c.text} (accuracy drop, the paper's measure)", c.sources)
-            out[acc.key] = (acc, _ptq_acc(d, *_ACC_CHECKS[c.key], task))
+            out[acc.key] = (acc, _ptq(d, *_ACC_CHECKS[c.key], task))
     return out
 
 

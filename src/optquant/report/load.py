@@ -15,33 +15,23 @@ Left out on purpose: schema migrations; a missing required column is an error, n
 
 from __future__ import annotations
 
-import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from optquant.errors import OptquantError
-from optquant.files import parse_metrics, read_parquet
+from optquant.files import parse_metrics, read_json, read_parquet
 from optquant.report.paper import LABELS, by_label
 
 log = logging.getLogger(__name__)
 
-RESULT_COLUMNS = (
-    "size",
-    "n_params",
-    "optimizer",
-    "lr",
-    "seed",
-    "kind",
-    "best_lr",
-    "scheme",
-    "metric",
-    "value",
-)
+RESULT_COLUMNS = ("size", "n_params", "optimizer", "lr", "seed", "kind", "best_lr", "scheme", "metric", "value")
 PAPER_SCHEME = "w4a4-rtn"  # the paper's PTQ scheme (paper.md §5)
 _COLORS = {
     "adamw": "#1f77b4",
@@ -144,18 +134,17 @@ class StudyData:
         of the selected rows, joined by "/"}; cells where no run records the key are absent."""
         out = {}
         for cell, g in self.rows(kind, metric).groupby(["size", "optimizer"]):
-            summaries = (_read_json(self.root / "runs" / str(r) / "summary.json") or {} for r in g["run_id"].unique())
+            summaries = (_optional(read_json, self.root / "runs" / str(r) / "summary.json") or {}
+                         for r in g["run_id"].unique())
             values = {str(v) for s in summaries if (v := s.get(key)) is not None}
             if values:
                 out[cell] = "/".join(sorted(values))
         return out
 
-    def propagation_path(self, run_id: str, scheme: str) -> Path:
-        """Where `optquant analyze` wrote a CL model's ABC rows."""
-        return self.root / "runs" / run_id / "ptq" / "cl" / scheme / "propagation.parquet"
-
     def propagation(self, run_id: str, scheme: str) -> pd.DataFrame | None:
-        return _one_norm(_read_parquet(self.propagation_path(run_id, scheme)))
+        """A CL model's ABC rows, as `optquant analyze` wrote them."""
+        return _one_norm(_optional(read_parquet, self.root / "runs" / run_id / "ptq" / "cl" / scheme /
+                                   "propagation.parquet"))
 
     def propagation_set(self) -> tuple[str, str, dict[str, pd.DataFrame]] | None:
         """(size, scheme, {optimizer: propagation frame}) for the largest size whose CL models have ABC
@@ -197,7 +186,7 @@ def load_study(study_dir: str | Path) -> StudyData:
     root = Path(study_dir)
     if not root.is_dir():
         raise OptquantError(f"study directory {root} does not exist")
-    info = _read_json(root / "study.json") or {}
+    info = _optional(read_json, root / "study.json") or {}
     results = _read_results(root / "results.parquet")
     sizes_info = info.get("sizes") or {}
     n_params = {s: float(v.get("n_params", math.nan)) for s, v in sizes_info.items() if isinstance(v, dict)}
@@ -212,9 +201,9 @@ def load_study(study_dir: str | Path) -> StudyData:
         n_params=n_params,
         optimizers=optimizers,
         results=results,
-        correlations=_read_parquet(root / "correlations.parquet"),
-        fits=_read_json(root / "fits.json"),
-        best=_read_json(root / "best.json"),
+        correlations=_optional(read_parquet, root / "correlations.parquet"),
+        fits=_optional(read_json, root / "fits.json"),
+        best=_optional(read_json, root / "best.json"),
     )
 
 
@@ -235,17 +224,9 @@ def _read_results(path: Path) -> pd.DataFrame:
     return df
 
 
-def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OptquantError(f"{path} is not valid JSON: {e}") from None
-
-
-def _read_parquet(path: Path) -> pd.DataFrame | None:
-    return read_parquet(path) if path.is_file() else None
+def _optional(read: Callable[[Path], Any], path: Path) -> Any:
+    """`read(path)`, or None for a file the study did not write; a damaged one is an error (files.py)."""
+    return read(path) if path.is_file() else None
 
 
 def _one_norm(df: pd.DataFrame | None) -> pd.DataFrame | None:
