@@ -66,8 +66,6 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-
-
 def timed_job(job: Job) -> tuple[dict[str, Any], dict[str, Any]]:
     """(result, timing) of `run_job`: wall-clock start/end, the worker's pid and seconds per part."""
     from optquant.study.jobs import TIMING_KEY
@@ -173,11 +171,9 @@ def _init_worker(threads: int, parent: int | None = None) -> None:
 
     if parent is not None:
         die_with_parent(parent)
-
     import torch
 
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
-
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
