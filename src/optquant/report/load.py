@@ -117,13 +117,8 @@ class StudyData:
         pool = [s for s in self.sizes if s in ran]
         return pool[-1] if pool else None
 
-    def cl_runs(self, size: str) -> dict[str, str]:
-        """{optimizer: run_id} of the Common-Loss models at `size`."""
-        r = self.results
-        df = r[(r["kind"] == "cl") & (r["size"] == size)]
-        return {o: str(g["run_id"].iloc[0]) for o, g in df.groupby("optimizer")}
-
     def best_runs(self, size: str, kind: str = "fp") -> dict[str, str]:
+        """{optimizer: run_id} of the first best-LR run of `kind` at `size` (every CL and QAT row is one)."""
         r = self.results
         df = r[(r["kind"] == kind) & (r["size"] == size) & r["best_lr"]]
         return {o: str(g["run_id"].iloc[0]) for o, g in df.groupby("optimizer")}
@@ -153,7 +148,7 @@ class StudyData:
         if scheme is None:
             return None
         for size in reversed(self.sizes):
-            runs = self.cl_runs(size)
+            runs = self.best_runs(size, "cl")
             frames = {o: df for o, r in runs.items() if (df := self.propagation(r, scheme)) is not None}
             if frames:
                 return size, scheme, {o: frames[o] for o in self.optimizers if o in frames}
