@@ -28,6 +28,12 @@ def _not_identified(fit: dict, name: str, whole: str = "") -> str:
     return f"not identified ({why})" if why else ""
 
 
+def verdict(fit: dict) -> str:
+    """A fits.json entry's verdict: "identified", or "not identified: " and every reason its diagnostics give."""
+    reasons = (fit.get("diagnostics") or {}).get("reasons") or {}
+    return "not identified: " + "; ".join(reasons.values()) if reasons else "identified"
+
+
 def _param(fit: dict, key: str) -> str:
     """A shared parameter (E, alpha) of a fits.json entry with its stored interval."""
     return fmt_ci(float(fit[key]), fit_interval(fit.get("intervals"), key))
@@ -123,7 +129,6 @@ def fit_diagnostics_table(d: StudyData) -> Table:
         rhos = [v for v in (per_rho if prefix == "rho_4bit" else joint_rho) if np.isfinite(v)]
         spread = fmt(max(rhos) - min(rhos), 3) if len(rhos) > 1 else "–"
         width = fmt(max(widths), 3) if widths else "–"
-        reasons = g.get("reasons") or {}
         rows.append((
             name, str(f.get("n_points", "–")),
             f"{g['n_sizes']} over {g['size_span']:.3g}×" if g.get("size_span") else str(g["n_sizes"]),
@@ -132,7 +137,7 @@ def fit_diagnostics_table(d: StudyData) -> Table:
             f"{g['condition']:.3g}" if g.get("condition") is not None else "∞",
             ", ".join(f.get("at_bound") or []) or "none",
             f"{width} ({spread})",
-            "not identified: " + "; ".join(reasons.values()) if reasons else "identified",
+            verdict(f),
         ))  # fmt: skip
     caption = (
         "From fits.json diagnostics. Residual RMS: of log L̂ − log L, in % (a relative error). Max |corr|: the "
