@@ -104,11 +104,6 @@ def _rank_how(what: str) -> str:
 
 
 # ---------------------------------------------------------------- checks
-def _fp_best(d: StudyData) -> Check:
-    r = _ranking(d, "fp", "final_val_loss", best=True)
-    return _best_of(d, r, "muon", _rank_how("best-LR final val loss, Muon lowest"), "best-LR runs")
-
-
 def _mmr_lr(d: StudyData) -> Check:
     how = "sign of Spearman(lr, MMR) per (optimizer, size) with ≥ 2 LRs; two-sided sign test on the count"
     df = d.rows("fp", "mmr")
@@ -121,11 +116,6 @@ def _mmr_lr(d: StudyData) -> Check:
     p = stats.binomtest(k, m).pvalue
     return Check(how, f"MMR rises with LR in {k}/{m} (optimizer, size) pairs, sign test p={p:.2g}",
                  verdict(k > m / 2 and p < ALPHA, k < m / 2 and p < ALPHA))  # fmt: skip
-
-
-def _mmr_low(d: StudyData) -> Check:
-    r = _ranking(d, "cl", "mmr")
-    return _best_of(d, r, "muon", _rank_how("MMR (per-token) of the CL models, Muon lowest"), "MMR rows")
 
 
 def _ptq(d: StudyData, least: bool, target: str, task: str | None = None) -> Check:
@@ -240,11 +230,6 @@ def _gain_rank(d: StudyData) -> Check:
     return Check(how, ours + f" (n={r.n_units} units, higher gain ranks first)", verdict(top and bottom, bad))
 
 
-def _qat_least(d: StudyData) -> Check:
-    r = _ranking(d, "qat", "qat_rel_degradation_pct", None)
-    return _best_of(d, r, "shampoo", _rank_how("relative QAT val-loss gap, Shampoo smallest"), "QAT rows")
-
-
 def _sole_best(r: Ranking) -> str | None:
     for o in r.rank:
         if all(r.better(o, x) for x in r.rank if x != o):
@@ -329,16 +314,19 @@ def _shampoo_cost(d: StudyData) -> Check:
 
 
 _CHECKS: dict[str, Callable[[StudyData], Check]] = {
-    "fp_best": _fp_best,
+    "fp_best": lambda d: _best_of(d, _ranking(d, "fp", "final_val_loss", best=True), "muon",
+                                  _rank_how("best-LR final val loss, Muon lowest"), "best-LR runs"),
     "mmr_lr": _mmr_lr,
-    "mmr_low": _mmr_low,
+    "mmr_low": lambda d: _best_of(d, _ranking(d, "cl", "mmr"), "muon",
+                                  _rank_how("MMR (per-token) of the CL models, Muon lowest"), "MMR rows"),
     "ptq_least": lambda d: _ptq(d, True, "shampoo"),
     "ptq_most": lambda d: _ptq(d, False, "muon"),
     "rl_predicts": _rl_predicts,
     "a_dominates": _a_dominates,
     "g1_one": _g1_one,
     "gain_rank": _gain_rank,
-    "qat_least": _qat_least,
+    "qat_least": lambda d: _best_of(d, _ranking(d, "qat", "qat_rel_degradation_pct", None), "shampoo",
+                                    _rank_how("relative QAT val-loss gap, Shampoo smallest"), "QAT rows"),
     "qat_not_fp": _qat_not_fp,
     "rho_rank": _rho_rank,
     "ptq_qat_link": _ptq_qat_link,
