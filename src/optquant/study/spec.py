@@ -29,7 +29,6 @@ from optquant.harness import HarnessConfig, check_harness
 from optquant.optim import OPTIMIZERS, is_optimizer, optimizer_config
 from optquant.study.bracket import round_lr
 
-ALL_OPTIMIZERS = ("adamw", "muon", "psgd", "scion", "shampoo", "soap")
 PAPER_PTQ_SCHEMES = ("w4a4-rtn", "w4a4-gptq", "w4a4-rtn-had", "w4a4-gptq-had")
 
 
@@ -37,7 +36,7 @@ PAPER_PTQ_SCHEMES = ("w4a4-rtn", "w4a4-gptq", "w4a4-rtn-had", "w4a4-gptq-had")
 class StudySpec:
     name: str = "study"
     sizes: tuple[str, ...] = ("zepto", "atto", "femto", "pico")  # model presets, smallest first
-    optimizers: tuple[str, ...] = ALL_OPTIMIZERS
+    optimizers: tuple[str, ...] = tuple(OPTIMIZERS)  # the six built-in ones
     lr_points: int = 3  # points of each optimizer's initial log LR grid
     lr_step: float = 3.0  # ratio between neighbouring grid points
     lr_extensions: int = 3  # rounds of grid extension while the best LR sits at an edge
