@@ -374,11 +374,9 @@ def from_dict(data: dict, path: str = "config") -> RunConfig:
         cfg = _build(RunConfig, data, path)
         name = optim.get("name", "adamw")
         optimizer_config(name)  # one clear error for an unknown optimizer or a plugin that fails to load
-        cfg = replace(
-            cfg,
-            optim=_build(optimizer_config_class(name), optim, path),
-            qat=None if qat is None else _build(QATConfig, qat, path),
-        )
+        cfg = replace(cfg,
+                      optim=_build(optimizer_config_class(name), optim, path),
+                      qat=None if qat is None else _build(QATConfig, qat, path))
     except (TypeError, ValueError) as e:
         raise OptquantError(f"{path}: not a valid run config ({e})") from None
     try:

@@ -199,9 +199,7 @@ def continuation_logliks(
     with eval_mode(model):
         for i in range(0, len(items), batch_size):
             chunk = items[i : i + batch_size]
-            x = torch.tensor(
-                [it.context + c for it in chunk for c in it.choices], device=device
-            )  # (b·K, m+k)
+            x = torch.tensor([it.context + c for it in chunk for c in it.choices], device=device)  # (b·K, m+k)
             with _autocast(model, autocast):
                 logits = model(x[:, :-1])
             logp = torch.log_softmax(logits[:, m - 1 :].float(), dim=-1)  # predicts tokens m..m+k-1

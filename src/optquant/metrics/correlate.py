@@ -53,9 +53,7 @@ def _one(x: np.ndarray, y: np.ndarray, method: str, n_boot: int, level: float, s
         return nan
     res = stats.pearsonr(x, y) if method == "pearson" else stats.spearmanr(x, y)
     lo, hi, degenerate = bootstrap_ci(x, y, method, n_boot=n_boot, level=level, seed=seed)
-    return dict(
-        r=float(res.statistic), p=float(res.pvalue), ci_low=lo, ci_high=hi, boot_degenerate=degenerate
-    )
+    return dict(r=float(res.statistic), p=float(res.pvalue), ci_low=lo, ci_high=hi, boot_degenerate=degenerate)
 
 
 def _columns(df: pd.DataFrame, asked: Sequence[str] | None, default: Sequence[str], what: str) -> list[str]:

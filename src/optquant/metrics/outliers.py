@@ -190,10 +190,8 @@ class _Stream:
         krms = math.nan if self.sq_sum is None else kurtosis((self.sq_sum / self.tokens).sqrt())
         skipped = 1.0 - self.ratio_n["median"] / self.tokens if self.tokens else math.nan
         batchavg = math.nan if self.seq_sum is None else mmr(self.seq_sum / self.sequences)
-        return OutlierRow(
-            name, kind, index, mean_ratio("median"), batchavg, mean_ratio("mean"), skipped,
-            self.moments.excess_kurtosis, krms, self.tokens, channels,
-        )  # fmt: skip
+        return OutlierRow(name, kind, index, mean_ratio("median"), batchavg, mean_ratio("mean"), skipped,
+                          self.moments.excess_kurtosis, krms, self.tokens, channels)  # fmt: skip
 
 
 @torch.no_grad()
