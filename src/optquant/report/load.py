@@ -268,21 +268,21 @@ def fmt_lr(lr: float) -> str:
 
 
 def fmt_count(n: float | None) -> str:
-    if n is None or not np.isfinite(n):
-        return "–"
-    for unit, k in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= k:
-            return f"{n / k:.3g}{unit}"
-    return f"{n:.0f}"
+    return _with_unit(n, (("B", 1e9), ("M", 1e6), ("k", 1e3)), "", "")
 
 
 def fmt_bytes(n: float | None) -> str:
+    return _with_unit(n, (("GB", 2**30), ("MB", 2**20), ("kB", 2**10)), " ", " B")
+
+
+def _with_unit(n: float | None, units: tuple[tuple[str, float], ...], sep: str, ones: str) -> str:
+    """n in the largest unit it reaches (3 significant digits), else as a whole number with `ones`."""
     if n is None or not np.isfinite(n):
         return "–"
-    for unit, k in (("GB", 2**30), ("MB", 2**20), ("kB", 2**10)):
+    for unit, k in units:
         if abs(n) >= k:
-            return f"{n / k:.3g} {unit}"
-    return f"{n:.0f} B"
+            return f"{n / k:.3g}{sep}{unit}"
+    return f"{n:.0f}{ones}"
 
 
 def fmt_ci(v: float, ci: tuple[float, float], digits: int = 3) -> str:
