@@ -8,8 +8,6 @@ from pathlib import Path
 
 from optquant.errors import OptquantError
 
-TRANSFORMERS_VERSION = "5.24.0"  # the version pinned by the hf extra
-
 
 def require_transformers():
     """transformers, or one clear error naming the extra that installs it."""
