@@ -28,11 +28,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="optquant",
-        description="How does the optimizer change a language model's robustness to quantization? "
-        "Train LMs with six optimizers, quantize them, measure outliers and error propagation.",
-    )
+    parser = _Parser(prog="optquant",
+                     description="How does the optimizer change a language model's robustness to quantization? "
+                     "Train LMs with six optimizers, quantize them, measure outliers and error propagation.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train.add_parser(sub)
