@@ -10,9 +10,12 @@ import tempfile
 import pytest
 import torch
 
+from optquant.device import keep_freed_memory
+
 os.environ.setdefault("MPLCONFIGDIR", tempfile.mkdtemp(prefix="optquant-mpl-"))
 # Tests use tiny tensors: one thread is faster than two and immune to a busy neighbour.
 torch.set_num_threads(1)
+keep_freed_memory()  # as every optquant command does (the tests train in this process)
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls sing of rivers and "
          "mountains under silver moons and golden suns in kingdoms far away").split()

@@ -23,18 +23,10 @@ import pytest
 from optquant.errors import OptquantError
 from optquant.report import headline_tables, render_report, report_markdown
 from optquant.report.claims import check_claims
+from optquant.report.diagnostics import cl_table, correlation_table, cost_table, lr_status_table
+from optquant.report.fits import fit_diagnostics_table, table10, table10_joint
 from optquant.report.load import load_study
-from optquant.report.tables import (
-    cl_table,
-    correlation_table,
-    cost_table,
-    fit_diagnostics_table,
-    lr_status_table,
-    table2,
-    table3,
-    table10,
-    table10_joint,
-)
+from optquant.report.tables import table2, table3
 from optquant.stats import NOT_RESOLVED, summarize
 
 VERDICTS = {"supported", "contradicted", NOT_RESOLVED}

@@ -6,9 +6,10 @@ tool's idea of what a comment is. STYLE.md's target for the package is 5,000 lin
 
 from pathlib import Path
 
-# main at f86b60c counts 11,980 lines; the budget is that plus ~2 % while the code-health work (issue 13)
-# shrinks the package. Lower it as the package shrinks, so that growth has to be argued for.
-BUDGET = 12_220
+# main at 5d43546 counted 11,982 lines; the issue-13 clean-up (i13shrink: redundancy removed, no feature lost)
+# brought it to 11,821. The budget is that plus ~1 %. Lower it as the package shrinks, so that growth has to
+# be argued for.
+BUDGET = 11_940
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

@@ -32,9 +32,9 @@ from optquant.files import finite_json, read_json
 from optquant.harness import HarnessConfig
 from optquant.metrics.outliers import aggregate, outlier_metrics
 from optquant.metrics.propagation import PropagationConfig, propagation, ptq_pair
-from optquant.model import LM
 from optquant.quant.ptq import SCHEMES, PTQConfig
 from optquant.runs import read_config
+from optquant.train import build_model
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +67,7 @@ def load_run_model(run_dir: Path, weights: Weights = "final") -> tuple[RunConfig
         what = "no Common Loss checkpoint (train with train.cl_threshold)" if weights == "cl" else \
             "no final weights (the run is not done or diverged)"
         raise OptquantError(f"{run_dir}: {what}")
-    model = LM(cfg.model)
-    if cfg.qat is not None:
-        from optquant.quant.qat import prepare_qat_
-
-        prepare_qat_(model, cfg.qat)
-    return cfg, load_weights(path, model).eval()
+    return cfg, load_weights(path, build_model(cfg)).eval()
 
 
 class LoadedRun:

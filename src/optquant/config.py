@@ -74,11 +74,7 @@ class RunConfig:
 # Run presets: a model size and the batch settings that suit it. The budget follows from
 # train.tokens_per_param unless train.steps is set.
 RUN_PRESETS: dict[str, dict[str, Any]] = {
-    "zepto": {"train.batch_size": 16, "train.eval_every": 25},
-    "atto": {"train.batch_size": 16, "train.eval_every": 25},
-    "femto": {"train.batch_size": 16, "train.eval_every": 25},
-    "pico": {"train.batch_size": 16, "train.eval_every": 25},
-    "nano": {"train.batch_size": 16, "train.eval_every": 25},
+    **dict.fromkeys(("zepto", "atto", "femto", "pico", "nano"), {"train.batch_size": 16, "train.eval_every": 25}),
     "micro": {"train.batch_size": 16, "train.eval_every": 50},
     "tiny": {"train.batch_size": 16, "train.eval_every": 100},
     "small": {"train.batch_size": 32, "train.eval_every": 200},
@@ -378,11 +374,9 @@ def from_dict(data: dict, path: str = "config") -> RunConfig:
         cfg = _build(RunConfig, data, path)
         name = optim.get("name", "adamw")
         optimizer_config(name)  # one clear error for an unknown optimizer or a plugin that fails to load
-        cfg = replace(
-            cfg,
-            optim=_build(optimizer_config_class(name), optim, path),
-            qat=None if qat is None else _build(QATConfig, qat, path),
-        )
+        cfg = replace(cfg,
+                      optim=_build(optimizer_config_class(name), optim, path),
+                      qat=None if qat is None else _build(QATConfig, qat, path))
     except (TypeError, ValueError) as e:
         raise OptquantError(f"{path}: not a valid run config ({e})") from None
     try:

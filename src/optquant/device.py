@@ -4,10 +4,15 @@ bf16 pays only where the hardware multiplies bf16 natively: CUDA devices that su
 AVX512-BF16 or AMX. Elsewhere (e.g. AVX2-only CPUs) torch emulates bf16 matmuls, measured ~47× slower
 than fp32 on a 512×2048×512 product, so `auto` means fp32 there. `train.precision` and Muon's/Scion's
 `ns_dtype` both go through `use_bf16`.
+
+`keep_freed_memory` is the other machine fact: how glibc's malloc returns memory to the kernel.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -36,3 +41,26 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     if precision != "auto":
         return precision == "bf16"
     return fast_bf16(device)
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, glibc's malloc.h
+KEEP_BYTES = 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc keep freed blocks of up to 1 GiB for reuse instead of handing them back to the
+    kernel. By default glibc maps big blocks afresh (mmap) and trims the heap's free top, so a tensor of a
+    few MB (at `pico`, the 1024×1024 logits and their gradients) costs page faults on every step: measured
+    on the 2-core AVX2 machine, 1 thread, CPU seconds, interleaved, a training step was ~20–30 % slower
+    (benchmarks/allocator.py). Numbers are unchanged: only where the memory comes from differs. The cost
+    is resident memory: a process keeps its peak. Not touched when the user tunes malloc already
+    (GLIBC_TUNABLES naming glibc.malloc, or MALLOC_*_ variables), nor off glibc. Returns whether it applied."""
+    if not sys.platform.startswith("linux") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, KEEP_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+    except (OSError, AttributeError):  # musl and others have no mallopt
+        return False

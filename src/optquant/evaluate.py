@@ -18,16 +18,34 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from optquant.errors import OptquantError
+
+
+@contextlib.contextmanager
+def eval_mode(*models: nn.Module) -> Iterator[None]:
+    """The models in eval mode for the block, each back in its own mode afterwards (also on an error)."""
+    modes = [m.training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(models, modes, strict=True):
+            m.train(mode)
+
+
+def token_ids(batch) -> Tensor:
+    """The token ids (B, T) of a batch given as ids or as an (x, y) pair."""
+    return batch[0] if isinstance(batch, tuple | list) else batch
 
 
 def _autocast(model: nn.Module, dtype: torch.dtype | None):
@@ -50,11 +68,9 @@ def val_loss(model: nn.Module, batches: Iterable, autocast: torch.dtype | None =
 
     Run it on the FP and the quantized model with the same batches to get Δ val loss.
     """
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    try:
+    with eval_mode(model):
         for batch in batches:
             x, y = batch if isinstance(batch, tuple | list) else (batch[:, :-1], batch[:, 1:])
             x, y = x.to(device), y.to(device)
@@ -63,8 +79,6 @@ def val_loss(model: nn.Module, batches: Iterable, autocast: torch.dtype | None =
             ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
             total += ce.item()
             count += y.numel()
-    finally:
-        model.train(was_training)
     if count == 0:
         raise OptquantError("val_loss: no batches given")
     loss = total / count
@@ -179,26 +193,18 @@ def continuation_logliks(
         raise OptquantError("multiple choice: all items must share the context and continuation lengths")
     seq_len = getattr(getattr(model, "cfg", None), "seq_len", None)
     if seq_len is not None and m + k - 1 > seq_len:
-        raise OptquantError(
-            f"multiple choice: context+continuation {m + k} exceeds seq_len+1 = {seq_len + 1}"
-        )
+        raise OptquantError(f"multiple choice: context+continuation {m + k} exceeds seq_len+1 = {seq_len + 1}")
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     out = []
-    try:
+    with eval_mode(model):
         for i in range(0, len(items), batch_size):
             chunk = items[i : i + batch_size]
-            x = torch.tensor(
-                [it.context + c for it in chunk for c in it.choices], device=device
-            )  # (b·K, m+k)
+            x = torch.tensor([it.context + c for it in chunk for c in it.choices], device=device)  # (b·K, m+k)
             with _autocast(model, autocast):
                 logits = model(x[:, :-1])
             logp = torch.log_softmax(logits[:, m - 1 :].float(), dim=-1)  # predicts tokens m..m+k-1
             ll = logp.gather(-1, x[:, m:, None]).squeeze(-1).sum(-1)
             out.append(ll.double().cpu().view(len(chunk), -1))
-    finally:
-        model.train(was_training)
     return torch.cat(out).numpy()
 
 
@@ -218,9 +224,6 @@ def mc_eval(model: nn.Module, data, cfg: MCConfig = MCConfig(), **kw) -> MCResul
 
 
 # ---- optional: LM-Evaluation-Harness (pip install 'optquant[eval]') ----
-
-
-
 def _loglik(model: nn.Module, tokenizer, eot_id: int, context: str, continuation: str) -> tuple[float, bool]:
     """log p(continuation | context) and whether it is the greedy continuation (lm-eval's contract)."""
     ctx = tokenizer.encode(context, add_special_tokens=False).ids if context else []

@@ -207,7 +207,8 @@ class Corr:
     n: int
 
 
-def _pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Pearson r of each row pair of x, y (observations along the last axis); NaN where a row is constant."""
     xc = x - x.mean(axis=-1, keepdims=True)
     yc = y - y.mean(axis=-1, keepdims=True)
     den = np.sqrt((xc * xc).sum(axis=-1) * (yc * yc).sum(axis=-1))
@@ -218,7 +219,7 @@ def _pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def _partial_rows(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
     """Partial r of each row from the three pairwise r's; equals the residual correlation for one z."""
-    rxy, rxz, ryz = _pearson_rows(x, y), _pearson_rows(x, z), _pearson_rows(y, z)
+    rxy, rxz, ryz = pearson_rows(x, y), pearson_rows(x, z), pearson_rows(y, z)
     with np.errstate(invalid="ignore", divide="ignore"):
         r = (rxy - rxz * ryz) / np.sqrt((1 - rxz**2) * (1 - ryz**2))
     return np.clip(r, -1.0, 1.0)
@@ -246,7 +247,7 @@ def partial_corr(
     if method == "spearman":
         xyz = stats.rankdata(xyz, axis=0)
     x_, y_, z_ = xyz.T
-    r = float(_pearson_rows(_residual(x_, z_), _residual(y_, z_)))
+    r = float(pearson_rows(_residual(x_, z_), _residual(y_, z_)))
     if not math.isfinite(r):
         return nan
     dof = n - 3
@@ -258,12 +259,18 @@ def partial_corr(
     res = raw[rng.integers(0, n, size=(n_boot, n))]  # (B, n, 3)
     if method == "spearman":
         res = stats.rankdata(res, axis=1)
-    rb = _partial_rows(res[..., 0], res[..., 1], res[..., 2])
-    ok = rb[np.isfinite(rb)]
-    lo = hi = math.nan
-    if ok.size >= max(10, n_boot // 10):
-        lo, hi = (float(q) for q in np.quantile(ok, [(1 - level) / 2, (1 + level) / 2]))
+    lo, hi = percentile_ci(_partial_rows(res[..., 0], res[..., 1], res[..., 2]), n_boot, level)
     return Corr(r, p, lo, hi, n)
+
+
+def percentile_ci(samples: np.ndarray, n_boot: int, level: float) -> tuple[float, float]:
+    """The percentile interval of the defined (finite) bootstrap samples; NaN with fewer than
+    max(10, n_boot / 10) of them, too few for a meaningful interval."""
+    ok = samples[np.isfinite(samples)]
+    if ok.size < max(10, n_boot // 10):
+        return math.nan, math.nan
+    lo, hi = np.quantile(ok, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
 
 
 def verdict(supported: bool, contradicted: bool) -> str:

@@ -33,7 +33,9 @@ class LogConfig:
 class Tracker:
     """No-op base: every method is safe to call when no logger is set."""
 
-    def step(self, step: int, values: dict[str, float]) -> None: ...
+    def step(self, step: int, values: dict[str, float]) -> None:
+        """One training step's numbers: a record under "train"."""
+        self.record("train", step, values)
 
     def record(self, prefix: str, step: int, values: dict[str, Any]) -> None: ...
 
@@ -46,9 +48,6 @@ class TensorBoardTracker(Tracker):
 
         self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
         self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, sort_keys=True) + "\n```", 0)
-
-    def step(self, step: int, values: dict[str, float]) -> None:
-        self.record("train", step, values)
 
     def record(self, prefix: str, step: int, values: dict[str, Any]) -> None:
         for key, value in values.items():
@@ -69,9 +68,6 @@ class WandbTracker(Tracker):
         os.environ.setdefault("WANDB_SILENT", "true")
         self.run = wandb.init(project="optquant", name=Path(run_dir).name, dir=str(run_dir), config=config,
                               mode=os.environ.get("WANDB_MODE", "offline"))
-
-    def step(self, step: int, values: dict[str, float]) -> None:
-        self.record("train", step, values)
 
     def record(self, prefix: str, step: int, values: dict[str, Any]) -> None:
         values = {f"{prefix}/{k}": v for k, v in values.items()

@@ -16,6 +16,7 @@ import typing
 import warnings
 
 from optquant.cli import models, quant, study, train
+from optquant.device import keep_freed_memory
 from optquant.errors import OptquantError
 
 
@@ -27,11 +28,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="optquant",
-        description="How does the optimizer change a language model's robustness to quantization? "
-        "Train LMs with six optimizers, quantize them, measure outliers and error propagation.",
-    )
+    parser = _Parser(prog="optquant",
+                     description="How does the optimizer change a language model's robustness to quantization? "
+                     "Train LMs with six optimizers, quantize them, measure outliers and error propagation.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train.add_parser(sub)
@@ -71,6 +70,7 @@ def _dispatch(argv: list[str] | None) -> int:
     # torch notes once per process that RMSNorm under bf16 autocast (bf16 input, fp32 gain) is not fused;
     # it is expected and harmless, and would be the first line every user sees
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
+    keep_freed_memory()  # ~20-30 % off a small model's step on CPU, the same numbers (device.py)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

@@ -36,14 +36,9 @@ def _load_model(run_dir: Path | None, hf: Path | None, weights: str = "final", s
     if (run_dir is None) == (hf is None):
         raise OptquantError("eval: give a run directory or --hf PATH (one of them)")
     if hf is not None:
-        from optquant.hf import load_hf, require_transformers
+        from optquant.hf import load_hf, load_hf_tokenizer
 
-        transformers = require_transformers()
-        model = load_hf(hf, seq_len)
-        tok = transformers.AutoTokenizer.from_pretrained(hf, local_files_only=True)
-        if getattr(tok, "backend_tokenizer", None) is None or tok.eos_token_id is None:
-            raise OptquantError(f"{hf}: the tokenizer needs a fast (tokenizer.json) backend and an EOS token")
-        return model, tok.backend_tokenizer, tok.eos_token_id
+        return load_hf(hf, seq_len), *load_hf_tokenizer(hf)
     from optquant.analysis import load_run_model
     from optquant.data import load_tokens
 

@@ -94,22 +94,18 @@ def _study(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verdict(fit: dict) -> str:
-    reasons = (fit.get("diagnostics") or {}).get("reasons") or {}
-    return "not identified: " + "; ".join(reasons.values()) if reasons else "identified"
-
-
 def _fit(args: argparse.Namespace) -> int:
+    from optquant.report.fits import verdict
     from optquant.study.results import refit
 
     with _study_files(args.study_dir):
         fits = refit(args.study_dir, args.interval)
     for opt, fit in fits["per_optimizer"].items():
         print(f"{opt:8s} rho_4bit={fit['rho'].get('4bit', float('nan')):.3f}  E={fit['E']:.3f}  "
-              f"alpha={fit['alpha']:.3f}  A={fit['A']:.4g}  {_verdict(fit)}")
+              f"alpha={fit['alpha']:.3f}  A={fit['A']:.4g}  {verdict(fit)}")
     if (joint := fits.get("joint")) is not None:
         rho = "  ".join(f"{o}={r.get('4bit', float('nan')):.3f}" for o, r in joint["rho"].items())
-        print(f"joint (headline) rho_4bit: {rho}  {_verdict(joint)}")
+        print(f"joint (headline) rho_4bit: {rho}  {verdict(joint)}")
     for what, error in fits["errors"].items():
         print(f"{what}: not fitted ({error})")
     print(f"written: {args.study_dir}/fits.json and correlations.parquet")

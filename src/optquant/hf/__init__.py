@@ -8,8 +8,6 @@ from pathlib import Path
 
 from optquant.errors import OptquantError
 
-TRANSFORMERS_VERSION = "5.24.0"  # the version pinned by the hf extra
-
 
 def require_transformers():
     """transformers, or one clear error naming the extra that installs it."""
@@ -38,3 +36,15 @@ def load_hf(path: Path, seq_len: int = 128):
     from optquant.hf.adapter import HFLM
 
     return HFLM(load_hf_model(path), seq_len=seq_len).eval()
+
+
+def load_hf_tokenizer(path: Path):
+    """(the fast tokenizers.Tokenizer backend, the EOS id) of the tokenizer in a local HF folder."""
+    transformers = require_transformers()
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise OptquantError(f"{path}: no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
+    if getattr(tok, "backend_tokenizer", None) is None or tok.eos_token_id is None:
+        raise OptquantError(f"{path}: the tokenizer needs a fast (tokenizer.json) backend and an EOS token")
+    return tok.backend_tokenizer, tok.eos_token_id

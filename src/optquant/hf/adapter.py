@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from optquant.errors import OptquantError
+from optquant.model import LM
 
 
 @dataclass(frozen=True)
@@ -132,16 +133,5 @@ class HFLM(nn.Module):
         max_pos = getattr(config, "max_position_embeddings", None) or seq_len
         self.cfg = HFInfo(config.model_type, config.hidden_size, config.vocab_size, len(blocks), min(seq_len, max_pos))
 
-    def sublayers(self) -> list[nn.Module]:
-        """The residual sublayers in forward order (attention, MLP, attention, MLP, ...)."""
-        return [sub for block in self.blocks for sub in (block.attn, block.mlp)]
-
-    def head(self, x: Tensor) -> Tensor:
-        """Final norm and LM head: residual stream (B, T, D) -> logits (B, T, V)."""
-        return self.lm_head(self.norm(x))
-
-    def forward(self, idx: Tensor) -> Tensor:
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+    # embed → blocks → norm → lm_head, the chain the metrics walk: LM's own methods, on the HF modules above
+    sublayers, head, forward = LM.sublayers, LM.head, LM.forward

@@ -20,7 +20,7 @@ from optquant.analysis import AnalysisConfig, LoadedRun, analyze_model, ptq_eval
 from optquant.config import RunConfig, TrainConfig
 from optquant.data import DataConfig, TokenData, read_documents, split_documents
 from optquant.errors import OptquantError
-from optquant.hf import load_hf, require_transformers
+from optquant.hf import load_hf, load_hf_tokenizer
 from optquant.model import ModelConfig
 from optquant.quant.ptq import PTQConfig
 
@@ -38,29 +38,21 @@ class HFSource:
 def hf_tokens(src: HFSource, train_tokens: int) -> TokenData:
     """Held-out documents fully, and the first training documents up to `train_tokens` tokens, encoded with
     the folder's tokenizer (AutoTokenizer's fast backend), EOS after each document."""
-    transformers = require_transformers()
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(src.path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise OptquantError(f"{src.path}: no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is None or tok.eos_token_id is None:
-        raise OptquantError(f"{src.path}: the tokenizer needs a fast (tokenizer.json) backend and an EOS token")
+    backend, eos = load_hf_tokenizer(src.path)
     train_docs, val_docs = split_documents(read_documents(src.data), src.data)
 
     def encode(docs, limit: int | None) -> np.ndarray:
         out, n = [], 0
         for i in range(0, len(docs), 256):
             for e in backend.encode_batch([t for _, t in docs[i: i + 256]], add_special_tokens=False):
-                out.append(np.array([*e.ids, tok.eos_token_id], dtype=np.int64))
+                out.append(np.array([*e.ids, eos], dtype=np.int64))
                 n += out[-1].size
             if limit is not None and n >= limit:
                 break
         return np.concatenate(out)
 
-    vocab = len(tok)
-    return TokenData(encode(train_docs, train_tokens), encode(val_docs, None), vocab, backend, tok.eos_token_id,
-                     f"hf:{src.path}")
+    vocab = backend.get_vocab_size(with_added_tokens=True)
+    return TokenData(encode(train_docs, train_tokens), encode(val_docs, None), vocab, backend, eos, f"hf:{src.path}")
 
 
 def _setup(src: HFSource, acfg: AnalysisConfig):

@@ -27,28 +27,11 @@ import pandas as pd
 from scipy import stats
 
 from optquant.errors import OptquantError
-from optquant.stats import partial_corr
+from optquant.stats import partial_corr, pearson_rows, percentile_ci
 
 METRICS = ("mmr", "kurtosis", "kurt_rms", "R_L", "sum_A", "sum_B")
 TARGETS = ("d_val_loss", "d_acc")
 METHODS = ("pearson", "spearman")
-
-
-def _pearson_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Pearson r of each row pair of x, y (shape (R, n)); NaN where a row is constant."""
-    xc = x - x.mean(axis=1, keepdims=True)
-    yc = y - y.mean(axis=1, keepdims=True)
-    den = np.sqrt((xc * xc).sum(axis=1) * (yc * yc).sum(axis=1))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        r = (xc * yc).sum(axis=1) / den
-    r[~(den > 1e-300)] = np.nan
-    return np.clip(r, -1.0, 1.0)
-
-
-def _stat_rows(x: np.ndarray, y: np.ndarray, method: str) -> np.ndarray:
-    if method == "spearman":  # Spearman = Pearson of average ranks
-        x, y = stats.rankdata(x, axis=1), stats.rankdata(y, axis=1)
-    return _pearson_rows(x, y)
 
 
 def bootstrap_ci(
@@ -57,13 +40,11 @@ def bootstrap_ci(
     """(low, high, degenerate share) of the percentile bootstrap of r over resampled (x, y) pairs."""
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(x), size=(n_boot, len(x)))
-    r = _stat_rows(x[idx], y[idx], method)
-    ok = r[np.isfinite(r)]
-    if ok.size < max(10, n_boot // 10):  # too few defined resamples for a meaningful interval
-        return math.nan, math.nan, 1.0 - ok.size / n_boot
-    alpha = (1.0 - level) / 2
-    lo, hi = np.quantile(ok, [alpha, 1.0 - alpha])
-    return float(lo), float(hi), 1.0 - ok.size / n_boot
+    xb, yb = x[idx], y[idx]
+    if method == "spearman":  # Spearman = Pearson of average ranks
+        xb, yb = stats.rankdata(xb, axis=1), stats.rankdata(yb, axis=1)
+    r = pearson_rows(xb, yb)
+    return (*percentile_ci(r, n_boot, level), 1.0 - np.isfinite(r).sum() / n_boot)
 
 
 def _one(x: np.ndarray, y: np.ndarray, method: str, n_boot: int, level: float, seed: int) -> dict:
@@ -72,9 +53,7 @@ def _one(x: np.ndarray, y: np.ndarray, method: str, n_boot: int, level: float, s
         return nan
     res = stats.pearsonr(x, y) if method == "pearson" else stats.spearmanr(x, y)
     lo, hi, degenerate = bootstrap_ci(x, y, method, n_boot=n_boot, level=level, seed=seed)
-    return dict(
-        r=float(res.statistic), p=float(res.pvalue), ci_low=lo, ci_high=hi, boot_degenerate=degenerate
-    )
+    return dict(r=float(res.statistic), p=float(res.pvalue), ci_low=lo, ci_high=hi, boot_degenerate=degenerate)
 
 
 def _columns(df: pd.DataFrame, asked: Sequence[str] | None, default: Sequence[str], what: str) -> list[str]:

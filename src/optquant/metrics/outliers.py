@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from optquant.evaluate import eval_mode, token_ids
 from optquant.metrics.capture import capture
 from optquant.quant.layers import linear_layers
 
@@ -189,14 +190,8 @@ class _Stream:
         krms = math.nan if self.sq_sum is None else kurtosis((self.sq_sum / self.tokens).sqrt())
         skipped = 1.0 - self.ratio_n["median"] / self.tokens if self.tokens else math.nan
         batchavg = math.nan if self.seq_sum is None else mmr(self.seq_sum / self.sequences)
-        return OutlierRow(
-            name, kind, index, mean_ratio("median"), batchavg, mean_ratio("mean"), skipped,
-            self.moments.excess_kurtosis, krms, self.tokens, channels,
-        )  # fmt: skip
-
-
-def _token_ids(batch) -> Tensor:
-    return batch[0] if isinstance(batch, tuple | list) else batch
+        return OutlierRow(name, kind, index, mean_ratio("median"), batchavg, mean_ratio("mean"), skipped,
+                          self.moments.excess_kurtosis, krms, self.tokens, channels)  # fmt: skip
 
 
 @torch.no_grad()
@@ -225,16 +220,11 @@ def outlier_metrics(
     def on_forward(key: str, x: Tensor, y: Tensor | None) -> None:
         streams[key].add(y if key.startswith("residual:") else x)
 
-    was_training = model.training
-    model.eval()
-    try:
-        hooked = {key: m for key, (_, m) in sites.items()}
-        with capture(model, hooked, outputs=residual, fn=on_forward):
-            device = next(model.parameters()).device
-            for batch in batches:
-                model(_token_ids(batch).to(device))
-    finally:
-        model.train(was_training)
+    hooked = {key: m for key, (_, m) in sites.items()}
+    with eval_mode(model), capture(model, hooked, outputs=residual, fn=on_forward):
+        device = next(model.parameters()).device
+        for batch in batches:
+            model(token_ids(batch).to(device))
     rows, counters = [], {"linear": 0, "residual": 0}
     for key, (name, _) in sites.items():
         kind = key.split(":", 1)[0]

@@ -58,6 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from optquant.errors import OptquantError
+from optquant.evaluate import eval_mode, token_ids
 from optquant.metrics.capture import capture
 from optquant.quant.layers import QuantLinear, linear_layers
 from optquant.quant.ptq import PTQConfig, quantize_
@@ -433,18 +434,14 @@ def propagation(
     _keep_freed_memory()
     sums = {link.name: _Sums() for link in links}
     sums |= {n: _Sums(fp.get_submodule(n).weight, q.get_submodule(n).weight) for link in links for n in link.linears}
-    modes = fp.training, q.training
-    fp.eval(), q.eval()
-    try:
+    with eval_mode(fp, q):
         device = next(fp.parameters()).device
         for batch in batches:
-            idx = (batch[0] if isinstance(batch, tuple | list) else batch).to(device)
+            idx = token_ids(batch).to(device)
             h, hq = fp.embed(idx), q.embed(idx)
             inp = _Input(h, hq).rows
             for link in links:
                 h, hq, inp = _step_link(fp, q, link, h, hq, sums, inp)
-    finally:
-        fp.train(modes[0]), q.train(modes[1])
     rows = _rows(links, sums)
     return rows, summarize(rows, cfg.norm)
 

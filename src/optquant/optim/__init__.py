@@ -95,22 +95,6 @@ def state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
     return sum(_tensor_bytes(state) for opt in optimizers for state in opt.state.values())
 
 
-__all__ = [
-    "OPTIMIZERS",
-    "AdamWConfig",
-    "MuonConfig",
-    "OptimConfig",
-    "PSGDConfig",
-    "ParamGroups",
-    "PluginConfig",
-    "SOAPConfig",
-    "ScionConfig",
-    "ShampooConfig",
-    "build_optimizers",
-    "ns_dtype",
-    "is_optimizer",
-    "optimizer_config",
-    "optimizer_config_class",
-    "split_params",
-    "state_bytes",
-]
+__all__ = ["OPTIMIZERS", "AdamWConfig", "MuonConfig", "OptimConfig", "PSGDConfig", "ParamGroups", "PluginConfig",
+           "SOAPConfig", "ScionConfig", "ShampooConfig", "build_optimizers", "ns_dtype", "is_optimizer",
+           "optimizer_config", "optimizer_config_class", "split_params", "state_bytes"]

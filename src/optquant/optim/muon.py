@@ -19,12 +19,13 @@ are emulated (~47× slower); "auto" (default) picks between them as `train.preci
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from optquant.optim.adamw import AdamWConfig
 from optquant.optim.groups import ParamGroups, closure_loss, dense_params
 from optquant.optim.newton_schulz import DTYPES, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
 
@@ -104,16 +105,8 @@ class MuonConfig:
                     adjust_lr_fn=self.adjust_lr,
                 )
             )
-        rest = [g for g in (groups.embeddings, groups.vectors) if g]
-        if rest:
-            optimizers.append(
-                torch.optim.AdamW(
-                    [{"params": g} for g in rest],
-                    lr=self.adam_lr,
-                    betas=(self.adam_beta1, self.adam_beta2),
-                    eps=self.adam_eps,
-                    weight_decay=self.weight_decay,
-                    fused=True,
-                )
-            )
+        if groups.embeddings or groups.vectors:  # the rest: the AdamW optimizer's own build, without the matrices
+            adamw = AdamWConfig(lr=self.adam_lr, beta1=self.adam_beta1, beta2=self.adam_beta2, eps=self.adam_eps,
+                                weight_decay=self.weight_decay)
+            optimizers += adamw.build(replace(groups, matrices=[]))
         return optimizers

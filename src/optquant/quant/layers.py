@@ -35,10 +35,8 @@ class QuantLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, scheme={self.scheme or 'fp'}"
-        )
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, scheme={self.scheme or 'fp'}")
 
 
 def linear_layers(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[str, nn.Module]]:

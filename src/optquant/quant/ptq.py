@@ -147,7 +147,9 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
     if cfg.method == "gptq" and cfg.w_bits < OFF and calib is None:
         raise OptquantError("ptq.method='gptq' needs calibration data (calib=...)")
     if cfg.rotation == "hadamard":
-        _rotate_(model)
+        from optquant.quant.rotate import rotate_model_  # only the rotated schemes need it
+
+        rotate_model_(model)
     layers = linear_layers(model, skip=() if cfg.quantize_head else ("lm_head",))
     check_group_sizes(layers, cfg)
     if cfg.method == "gptq" and cfg.w_bits < OFF:
@@ -177,12 +179,6 @@ def check_group_sizes(layers: list[tuple[str, nn.Linear]], cfg: PTQConfig) -> No
 def quantized_copy(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None = None) -> nn.Module:
     """A quantized deep copy of `model`; the original is untouched."""
     return quantize_(copy.deepcopy(model), cfg, calib)
-
-
-def _rotate_(model: nn.Module) -> None:
-    from optquant.quant.rotate import rotate_model_  # only the rotated schemes need it
-
-    rotate_model_(model)
 
 
 def _calib_batches(calib: Tensor | Iterable, n: int, device: torch.device) -> list[Tensor]:

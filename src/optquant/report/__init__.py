@@ -19,14 +19,11 @@ from pathlib import Path
 from optquant.report import curves, figures, paper
 from optquant.report.claims import claims_table
 from optquant.report.costs import cost_section
+from optquant.report.diagnostics import cl_table, correlation_table, cost_table, lr_status_table
+from optquant.report.fits import fit_diagnostics_table, table10, table10_joint
 from optquant.report.html import Section, page
 from optquant.report.load import StudyData, fmt_count, load_study
 from optquant.report.tables import (
-    cl_table,
-    correlation_table,
-    cost_table,
-    fit_diagnostics_table,
-    lr_status_table,
     outlier_table,
     paper_table,
     paper_values_table,
@@ -34,8 +31,6 @@ from optquant.report.tables import (
     table3,
     table3_schemes,
     table4,
-    table10,
-    table10_joint,
     task_tables,
     to_markdown,
 )
@@ -123,10 +118,6 @@ def _qat_sections(d: StudyData, fig_dir: Path) -> list[Section]:
     ]  # fmt: skip
 
 
-def _sections(d: StudyData, fig_dir: Path) -> list[Section]:
-    return [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir), cost_section(d.root)]
-
-
 def _header(d: StudyData) -> str:
     r = d.results
     kinds = ", ".join(f"{k}: {r.loc[r['kind'] == k, 'run_id'].nunique()}" for k in ("fp", "cl", "qat"))
@@ -150,7 +141,8 @@ def render_report(study_dir: str | Path) -> Path:
     for stale in fig_dir.glob("*.png"):  # a rebuilt report must not show figures of an earlier build
         stale.unlink()
     title = f"optquant report — {d.spec.get('name') or d.root.name}"
-    text = page(title, _header(d), _sections(d, fig_dir), d.spec)
+    sections = [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir), cost_section(d.root)]
+    text = page(title, _header(d), sections, d.spec)
     path = out / "index.html"
     tmp = path.with_suffix(".html.tmp")
     tmp.write_text(text, encoding="utf-8")

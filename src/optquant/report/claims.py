@@ -104,11 +104,6 @@ def _rank_how(what: str) -> str:
 
 
 # ---------------------------------------------------------------- checks
-def _fp_best(d: StudyData) -> Check:
-    r = _ranking(d, "fp", "final_val_loss", best=True)
-    return _best_of(d, r, "muon", _rank_how("best-LR final val loss, Muon lowest"), "best-LR runs")
-
-
 def _mmr_lr(d: StudyData) -> Check:
     how = "sign of Spearman(lr, MMR) per (optimizer, size) with ≥ 2 LRs; two-sided sign test on the count"
     df = d.rows("fp", "mmr")
@@ -123,30 +118,18 @@ def _mmr_lr(d: StudyData) -> Check:
                  verdict(k > m / 2 and p < ALPHA, k < m / 2 and p < ALPHA))  # fmt: skip
 
 
-def _mmr_low(d: StudyData) -> Check:
-    r = _ranking(d, "cl", "mmr")
-    return _best_of(d, r, "muon", _rank_how("MMR (per-token) of the CL models, Muon lowest"), "MMR rows")
-
-
-def _ptq(d: StudyData, lower: bool, target: str) -> Check:
+def _ptq(d: StudyData, least: bool, target: str, task: str | None = None) -> Check:
+    """Is `target` the least (most) damaged CL model under PTQ: by Δ val loss, or with an lm-eval `task` by
+    the paper's own measure, the drop in zero-shot acc_norm (there a higher Δ is more robust)."""
     scheme = d.paper_scheme()
-    how = _rank_how(f"Δ val loss under {scheme} of the CL models, {d.label(target)} "
-                    f"{'smallest' if lower else 'largest'}")  # fmt: skip
+    name, metric, drop, lower = ("Δ val loss", "delta_val_loss", "", least) if task is None else \
+        ("Δ acc_norm", f"delta_acc_norm/{task}", " drop", not least)
+    on = "" if task is None else f" on {d.task_label(task)} (lm-eval)"
+    how = _rank_how(f"{name}{on} under {scheme} of the CL models, {d.label(target)} "
+                    f"{'smallest' if least else 'largest'}{drop}")  # fmt: skip
     if scheme is None:
         return _na(how, "no PTQ rows")
-    return _best_of(d, _ranking(d, "cl", "delta_val_loss", scheme, lower_is_better=lower), target, how,
-                    "Δ val loss rows")  # fmt: skip
-
-
-def _ptq_acc(d: StudyData, least: bool, target: str, task: str) -> Check:
-    """The paper's own measure: the drop in zero-shot acc_norm on lm-eval `task` (higher Δ = more robust)."""
-    scheme = d.paper_scheme()
-    how = _rank_how(f"Δ acc_norm on {d.task_label(task)} (lm-eval) under {scheme} of the CL models, "
-                    f"{d.label(target)} {'smallest drop' if least else 'largest drop'}")  # fmt: skip
-    if scheme is None:
-        return _na(how, "no PTQ rows")
-    return _best_of(d, _ranking(d, "cl", f"delta_acc_norm/{task}", scheme, lower_is_better=not least), target,
-                    how, "Δ acc_norm rows")  # fmt: skip
+    return _best_of(d, _ranking(d, "cl", metric, scheme, lower_is_better=lower), target, how, f"{name} rows")
 
 
 def _corr_rows(d: StudyData, size: str) -> dict | None:
@@ -247,11 +230,6 @@ def _gain_rank(d: StudyData) -> Check:
     return Check(how, ours + f" (n={r.n_units} units, higher gain ranks first)", verdict(top and bottom, bad))
 
 
-def _qat_least(d: StudyData) -> Check:
-    r = _ranking(d, "qat", "qat_rel_degradation_pct", None)
-    return _best_of(d, r, "shampoo", _rank_how("relative QAT val-loss gap, Shampoo smallest"), "QAT rows")
-
-
 def _sole_best(r: Ranking) -> str | None:
     for o in r.rank:
         if all(r.better(o, x) for x in r.rank if x != o):
@@ -336,16 +314,19 @@ def _shampoo_cost(d: StudyData) -> Check:
 
 
 _CHECKS: dict[str, Callable[[StudyData], Check]] = {
-    "fp_best": _fp_best,
+    "fp_best": lambda d: _best_of(d, _ranking(d, "fp", "final_val_loss", best=True), "muon",
+                                  _rank_how("best-LR final val loss, Muon lowest"), "best-LR runs"),
     "mmr_lr": _mmr_lr,
-    "mmr_low": _mmr_low,
+    "mmr_low": lambda d: _best_of(d, _ranking(d, "cl", "mmr"), "muon",
+                                  _rank_how("MMR (per-token) of the CL models, Muon lowest"), "MMR rows"),
     "ptq_least": lambda d: _ptq(d, True, "shampoo"),
     "ptq_most": lambda d: _ptq(d, False, "muon"),
     "rl_predicts": _rl_predicts,
     "a_dominates": _a_dominates,
     "g1_one": _g1_one,
     "gain_rank": _gain_rank,
-    "qat_least": _qat_least,
+    "qat_least": lambda d: _best_of(d, _ranking(d, "qat", "qat_rel_degradation_pct", None), "shampoo",
+                                    _rank_how("relative QAT val-loss gap, Shampoo smallest"), "QAT rows"),
     "qat_not_fp": _qat_not_fp,
     "rho_rank": _rho_rank,
     "ptq_qat_link": _ptq_qat_link,
@@ -365,7 +346,7 @@ def check_claims(d: StudyData) -> dict[str, tuple[Claim, Check]]:
         out[c.key] = (c, _CHECKS[c.key](d))
         if task is not None and c.key in _ACC_CHECKS:
             acc = Claim(f"{c.key}_acc", f"{c.text} (accuracy drop, the paper's measure)", c.sources)
-            out[acc.key] = (acc, _ptq_acc(d, *_ACC_CHECKS[c.key], task))
+            out[acc.key] = (acc, _ptq(d, *_ACC_CHECKS[c.key], task))
     return out
 
 

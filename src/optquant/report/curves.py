@@ -44,7 +44,6 @@ def fig_scaling(d: StudyData, out: Path) -> Plot:
         ax.set_xlim(ns[0], ns[-1])
         ax.set_title(d.label(o), fontsize=9, color=c)
         ax.set_xlabel("parameters N")
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("final val loss")
     caption = (
@@ -56,17 +55,13 @@ def fig_scaling(d: StudyData, out: Path) -> Plot:
     return Plot("scaling", title, save(fig, out, "scaling"), caption)
 
 
-def _diverged_runs(d: StudyData) -> set[str]:
-    df = d.rows("fp", "diverged")
-    return set(df.loc[df["value"] > 0, "run_id"])
-
-
 def fig_lr_sweeps(d: StudyData, out: Path) -> Plot:
     title = "LR sweeps — final validation loss vs peak learning rate"
     df = d.rows("fp", "final_val_loss")
     if df.empty:
         return missing("lr_sweeps", title, "no LR-sweep runs (kind=fp)")
-    bad = _diverged_runs(d)
+    diverged = d.rows("fp", "diverged")
+    bad = set(diverged.loc[diverged["value"] > 0, "run_id"])
     sizes = [s for s in d.sizes if s in set(df["size"])]
     fig, axes = grid(len(sizes))
     for ax, s in zip(axes, sizes, strict=True):
@@ -83,7 +78,6 @@ def fig_lr_sweeps(d: StudyData, out: Path) -> Plot:
         log_axis(ax, "x", fmt_lr)
         ax.set_xlabel("peak learning rate")
         ax.set_title(d.size_label(s), fontsize=9)
-        ax.grid(alpha=0.3)
     axes[0].set_ylabel("final val loss")
     optimizer_legend(fig, d, [o for o in d.optimizers if o in set(df["optimizer"])])
     caption = (
@@ -130,7 +124,6 @@ def fig_training_curves(d: StudyData, out: Path) -> Plot:
         _clip_start(ax, pd.concat(tail))
         ax.set_xlabel(x)
         ax.set_title(d.size_label(s), fontsize=9)
-        ax.grid(alpha=0.3)
     axes[0].set_ylabel("loss")
     optimizer_legend(fig, d, [o for o in d.optimizers if any(o in c for c in curves.values())])
     caption = (

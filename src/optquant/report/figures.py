@@ -43,7 +43,7 @@ def missing(key: str, title: str, why: str) -> Plot:
 
 
 def grid(n: int, ncols: int = 3, w: float = 3.8, h: float = 2.9) -> tuple[Figure, list]:
-    """A figure with n panels on an Agg canvas; unused cells are hidden."""
+    """A figure with n gridded panels on an Agg canvas; unused cells are hidden."""
     ncols = max(1, min(ncols, n))
     nrows = -(-n // ncols)
     fig = Figure(figsize=(w * ncols, h * nrows + 0.5), layout="constrained")
@@ -51,6 +51,8 @@ def grid(n: int, ncols: int = 3, w: float = 3.8, h: float = 2.9) -> tuple[Figure
     axes = list(np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel())
     for ax in axes[n:]:
         ax.set_visible(False)
+    for ax in axes[:n]:
+        ax.grid(alpha=0.3)
     return fig, axes[:n]
 
 
@@ -135,7 +137,6 @@ def fig1_damage_vs_metrics(d: StudyData, out: Path) -> Plot:
         ax.set_xlabel(m)
         auto_scale(ax, "x", df[m])
         ax.set_title(f"{m}\n{_corr_text(d, scheme, m)}", fontsize=8)
-        ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"Δ val loss ({scheme})")
     optimizer_legend(fig, d, [o for o in d.optimizers if o in set(df["optimizer"])], sizes)
     caption = (
@@ -166,7 +167,6 @@ def fig2_mmr_vs_lr(d: StudyData, out: Path) -> Plot:
         log_axis(ax, "x", fmt_lr)
         ax.set_xlabel("peak learning rate")
         ax.set_title(d.size_label(s), fontsize=9)
-        ax.grid(alpha=0.3)
     axes[0].set_ylabel("MMR (model level)")
     optimizer_legend(fig, d, [o for o in d.optimizers if o in set(src["optimizer"])])
     kind = "fp" if sweep else "cl"
@@ -198,7 +198,6 @@ def fig3_abc(d: StudyData, out: Path) -> Plot:
         log_axis(ax, "y")
         ax.set_title(d.label(o), fontsize=9, color=d.color(o))
         ax.set_xlabel("module (forward order)")
-        ax.grid(alpha=0.3)
     axes[0].set_ylabel("relative error")
     axes[0].legend(fontsize=7, labels=["R", "A (propagated)", "B (local)", "|C| (interaction)"])
     caption = (
@@ -227,7 +226,6 @@ def fig4_gains(d: StudyData, out: Path) -> Plot:
         auto_scale(ax, "y", np.concatenate([df[q].to_numpy(dtype=float) for df in lin.values()]))
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("linear layer (forward order)")
-        ax.grid(alpha=0.3)
     optimizer_legend(fig, d, list(lin))
     n = sum(len(df) for df in lin.values())
     caption = (

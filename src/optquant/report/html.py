@@ -27,18 +27,8 @@ class Section:
     blocks: tuple[Block, ...]
 
 
-_TEXT_COLUMNS = {
-    "size",
-    "optimizer",
-    "scheme",
-    "metric",
-    "target",
-    "paper",
-    "quantity",
-    "paper claim",
-    "source",
-}
-_TEXT_COLUMNS |= {"how we check", "ours", "fit notes", "verdict", "status", "reason"}
+_TEXT_COLUMNS = {"size", "optimizer", "scheme", "metric", "target", "paper", "quantity", "paper claim", "source",
+                 "how we check", "ours", "fit notes", "verdict", "status", "reason"}  # left-aligned
 
 _VERDICT_CLASS = {"supported": "yes", "contradicted": "no", "not resolved at this scale": "partly"}
 

@@ -15,33 +15,23 @@ Left out on purpose: schema migrations; a missing required column is an error, n
 
 from __future__ import annotations
 
-import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from optquant.errors import OptquantError
-from optquant.files import parse_metrics, read_parquet
-from optquant.report.paper import LABELS
+from optquant.files import parse_metrics, read_json, read_parquet
+from optquant.report.paper import LABELS, by_label
 
 log = logging.getLogger(__name__)
 
-RESULT_COLUMNS = (
-    "size",
-    "n_params",
-    "optimizer",
-    "lr",
-    "seed",
-    "kind",
-    "best_lr",
-    "scheme",
-    "metric",
-    "value",
-)
+RESULT_COLUMNS = ("size", "n_params", "optimizer", "lr", "seed", "kind", "best_lr", "scheme", "metric", "value")
 PAPER_SCHEME = "w4a4-rtn"  # the paper's PTQ scheme (paper.md §5)
 _COLORS = {
     "adamw": "#1f77b4",
@@ -127,13 +117,8 @@ class StudyData:
         pool = [s for s in self.sizes if s in ran]
         return pool[-1] if pool else None
 
-    def cl_runs(self, size: str) -> dict[str, str]:
-        """{optimizer: run_id} of the Common-Loss models at `size`."""
-        r = self.results
-        df = r[(r["kind"] == "cl") & (r["size"] == size)]
-        return {o: str(g["run_id"].iloc[0]) for o, g in df.groupby("optimizer")}
-
     def best_runs(self, size: str, kind: str = "fp") -> dict[str, str]:
+        """{optimizer: run_id} of the first best-LR run of `kind` at `size` (every CL and QAT row is one)."""
         r = self.results
         df = r[(r["kind"] == kind) & (r["size"] == size) & r["best_lr"]]
         return {o: str(g["run_id"].iloc[0]) for o, g in df.groupby("optimizer")}
@@ -144,18 +129,17 @@ class StudyData:
         of the selected rows, joined by "/"}; cells where no run records the key are absent."""
         out = {}
         for cell, g in self.rows(kind, metric).groupby(["size", "optimizer"]):
-            summaries = (_read_json(self.root / "runs" / str(r) / "summary.json") or {} for r in g["run_id"].unique())
+            summaries = (_optional(read_json, self.root / "runs" / str(r) / "summary.json") or {}
+                         for r in g["run_id"].unique())
             values = {str(v) for s in summaries if (v := s.get(key)) is not None}
             if values:
                 out[cell] = "/".join(sorted(values))
         return out
 
-    def propagation_path(self, run_id: str, scheme: str) -> Path:
-        """Where `optquant analyze` wrote a CL model's ABC rows."""
-        return self.root / "runs" / run_id / "ptq" / "cl" / scheme / "propagation.parquet"
-
     def propagation(self, run_id: str, scheme: str) -> pd.DataFrame | None:
-        return _one_norm(_read_parquet(self.propagation_path(run_id, scheme)))
+        """A CL model's ABC rows, as `optquant analyze` wrote them."""
+        return _one_norm(_optional(read_parquet, self.root / "runs" / run_id / "ptq" / "cl" / scheme /
+                                   "propagation.parquet"))
 
     def propagation_set(self) -> tuple[str, str, dict[str, pd.DataFrame]] | None:
         """(size, scheme, {optimizer: propagation frame}) for the largest size whose CL models have ABC
@@ -164,7 +148,7 @@ class StudyData:
         if scheme is None:
             return None
         for size in reversed(self.sizes):
-            runs = self.cl_runs(size)
+            runs = self.best_runs(size, "cl")
             frames = {o: df for o, r in runs.items() if (df := self.propagation(r, scheme)) is not None}
             if frames:
                 return size, scheme, {o: frames[o] for o in self.optimizers if o in frames}
@@ -197,16 +181,14 @@ def load_study(study_dir: str | Path) -> StudyData:
     root = Path(study_dir)
     if not root.is_dir():
         raise OptquantError(f"study directory {root} does not exist")
-    info = _read_json(root / "study.json") or {}
+    info = _optional(read_json, root / "study.json") or {}
     results = _read_results(root / "results.parquet")
     sizes_info = info.get("sizes") or {}
     n_params = {s: float(v.get("n_params", math.nan)) for s, v in sizes_info.items() if isinstance(v, dict)}
     for s, g in results.groupby("size"):
         n_params.setdefault(str(s), float(g["n_params"].median()))
     sizes = tuple(sorted(set(n_params) | set(results["size"]), key=lambda s: (n_params.get(s, math.inf), s)))
-    opts = set(results["optimizer"])
-    order = list(LABELS)
-    optimizers = tuple(sorted(opts, key=lambda o: (order.index(o) if o in order else len(order), o)))
+    optimizers = tuple(by_label(set(results["optimizer"])))
     return StudyData(
         root=root,
         spec=info.get("spec") or {},
@@ -214,9 +196,9 @@ def load_study(study_dir: str | Path) -> StudyData:
         n_params=n_params,
         optimizers=optimizers,
         results=results,
-        correlations=_read_parquet(root / "correlations.parquet"),
-        fits=_read_json(root / "fits.json"),
-        best=_read_json(root / "best.json"),
+        correlations=_optional(read_parquet, root / "correlations.parquet"),
+        fits=_optional(read_json, root / "fits.json"),
+        best=_optional(read_json, root / "best.json"),
     )
 
 
@@ -237,17 +219,9 @@ def _read_results(path: Path) -> pd.DataFrame:
     return df
 
 
-def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OptquantError(f"{path} is not valid JSON: {e}") from None
-
-
-def _read_parquet(path: Path) -> pd.DataFrame | None:
-    return read_parquet(path) if path.is_file() else None
+def _optional(read: Callable[[Path], Any], path: Path) -> Any:
+    """`read(path)`, or None for a file the study did not write; a damaged one is an error (files.py)."""
+    return read(path) if path.is_file() else None
 
 
 def _one_norm(df: pd.DataFrame | None) -> pd.DataFrame | None:
@@ -279,10 +253,10 @@ def fit_interval(intervals: dict | None, *names: str) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------- formatting
-def fmt(v: float | None, digits: int = 4) -> str:
+def fmt(v: float | None, digits: int = 4, signed: bool = False) -> str:
     if v is None or not np.isfinite(v):
         return "–"
-    return f"{v:.{digits}f}"
+    return f"{v:{'+' if signed else ''}.{digits}f}"
 
 
 def fmt_lr(lr: float) -> str:
@@ -294,21 +268,21 @@ def fmt_lr(lr: float) -> str:
 
 
 def fmt_count(n: float | None) -> str:
-    if n is None or not np.isfinite(n):
-        return "–"
-    for unit, k in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= k:
-            return f"{n / k:.3g}{unit}"
-    return f"{n:.0f}"
+    return _with_unit(n, (("B", 1e9), ("M", 1e6), ("k", 1e3)), "", "")
 
 
 def fmt_bytes(n: float | None) -> str:
+    return _with_unit(n, (("GB", 2**30), ("MB", 2**20), ("kB", 2**10)), " ", " B")
+
+
+def _with_unit(n: float | None, units: tuple[tuple[str, float], ...], sep: str, ones: str) -> str:
+    """n in the largest unit it reaches (3 significant digits), else as a whole number with `ones`."""
     if n is None or not np.isfinite(n):
         return "–"
-    for unit, k in (("GB", 2**30), ("MB", 2**20), ("kB", 2**10)):
+    for unit, k in units:
         if abs(n) >= k:
-            return f"{n / k:.3g} {unit}"
-    return f"{n:.0f} B"
+            return f"{n / k:.3g}{sep}{unit}"
+    return f"{n:.0f}{ones}"
 
 
 def fmt_ci(v: float, ci: tuple[float, float], digits: int = 3) -> str:

@@ -24,6 +24,11 @@ LABELS = {
 }
 
 
+def by_label(names) -> list[str]:
+    """Optimizer names in the paper's order (LABELS), any others after them by name."""
+    return sorted(names, key=lambda x: (x not in LABELS, list(LABELS).index(x) if x in LABELS else 0, x))
+
+
 @dataclass(frozen=True)
 class PaperGrid:
     """A size × optimizer grid of paper values; `notes[(size, opt)]` is a short marker ("*", "†") that

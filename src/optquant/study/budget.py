@@ -14,14 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optquant.budget import DEFAULT_PLAN, PlanConfig, RunBudget, gb, meta_model, run_budget
-from optquant.config import RunConfig, apply_overrides, run_preset
-from optquant.study.spec import StudySpec, lr_grid
-
-
-def run_config(spec: StudySpec, size: str, opt: str, extra: tuple[str, ...] = ()) -> RunConfig:
-    """One run of the study as its planner builds it (the LR and seed change neither cost nor memory)."""
-    return apply_overrides(run_preset(size), [*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()),
-                                              *extra])
+from optquant.study.spec import StudySpec, lr_grid, run_config
 
 
 @dataclass(frozen=True)
@@ -68,7 +61,7 @@ def cl_fraction(spec: StudySpec, opt: str, size: str, b: RunBudget) -> float:
     """A Common-Loss run's cost as a fraction of its full run: `eval_every` training steps, and an fp32
     evaluation (eval_batches micro-batches forward, a third of a step's FLOPs per sequence) every
     `cl_eval_every` steps."""
-    tc = run_config(spec, size, opt).train
+    tc = run_config(spec, size, opt).train  # the LR and seed change neither cost nor memory
     steps = min(tc.eval_every, b.steps)
     evals = steps / max(1, spec.cl_eval_every) * tc.eval_batches * b.micro_batch / (3 * tc.batch_size)
     return (steps + evals) / b.steps

@@ -44,7 +44,10 @@ class Job:
 
 
 def run_job(job: Job) -> dict[str, Any]:
+    from optquant.device import keep_freed_memory
     from optquant.study import jobs
+
+    keep_freed_memory()  # in the process that runs the job: a pool worker, a Slurm task, or this one
 
     return {"train": jobs.train_job, "ptq": jobs.ptq_job, "outliers": jobs.outliers_job}[job.kind](**job.args)
 
@@ -64,8 +67,6 @@ def die_with_parent(parent: int) -> None:
         return
     if os.getppid() != parent:  # the parent died before the prctl: nobody would send the signal
         os._exit(1)
-
-
 
 
 def timed_job(job: Job) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -173,11 +174,9 @@ def _init_worker(threads: int, parent: int | None = None) -> None:
 
     if parent is not None:
         die_with_parent(parent)
-
     import torch
 
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
-
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 

@@ -19,18 +19,18 @@ import math
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from optquant.analysis import scheme_config
 from optquant.checkpoint import atomic_write_json, atomic_write_text
-from optquant.config import RunConfig, apply_overrides, run_preset, to_dict
+from optquant.config import RunConfig, to_dict
 from optquant.harness import HarnessConfig, task_manager
 from optquant.runs import read_config, read_metrics, run_dir
 from optquant.study.bracket import bracket, extensions, refinement
 from optquant.study.executor import Job, execute
-from optquant.study.spec import StudySpec, lr_grid
+from optquant.study.spec import StudySpec, lr_grid, run_config
 from optquant.train import HISTORY, history_checkpoint
 
 log = logging.getLogger(__name__)
@@ -56,12 +56,6 @@ class Study:
         self.emit(event="stage", stage=stage, jobs=len(jobs))
         return execute(jobs, self.spec.executor, self.spec.workers, self.root / "submitit",
                        lambda job, result: self.emit(event="job", stage=stage, key=job.key, result=result))
-
-
-def run_config(spec: StudySpec, size: str, opt: str, lr: float, seed: int, extra: tuple = ()) -> RunConfig:
-    cfg = apply_overrides(run_preset(size), [*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()),
-                                             f"optim.lr={lr}", f"seed={seed}", *extra])
-    return replace(cfg, name=f"{spec.name}-{size}")
 
 
 def train_jobs(study: Study, cfgs: list[RunConfig]) -> list[Job]:

@@ -88,10 +88,10 @@ def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> p
             metrics = read_result(run, acfg, scheme, "analysis.json") or {}
             tasks_fp, tasks_q = task_scores(damage, "fp"), task_scores(damage, "q")
             if scheme == study.spec.ptq_schemes[0]:  # FP numbers of the CL model, once
-                rows += _rows(base, "none", _fp_side(damage, metrics), ("val_loss", "mc_acc", "mc_acc_norm",
+                rows += _rows(base, "none", _side(damage, metrics, "fp"), ("val_loss", "mc_acc", "mc_acc_norm",
                                                                         *OUTLIER_METRICS))
                 rows += _rows(base, "none", tasks_fp, tasks_fp)
-            rows += _rows(base, scheme, _q_side(damage, metrics), PTQ_METRICS)
+            rows += _rows(base, scheme, _side(damage, metrics, "q"), PTQ_METRICS)
             rows += _rows(base, scheme, tasks_q, tasks_q)
     for run_id, (size, s) in qat.items():
         run = study.runs / run_id
@@ -126,14 +126,11 @@ def task_scores(damage: dict, side: str) -> dict[str, float]:
     return out
 
 
-def _fp_side(damage: dict, metrics: dict) -> dict:
-    return {"val_loss": damage.get("val_loss_fp"), "mc_acc": damage.get("mc_acc_fp"),
-            "mc_acc_norm": damage.get("mc_acc_norm_fp"), **metrics}
-
-
-def _q_side(damage: dict, metrics: dict) -> dict:
-    return {"val_loss": damage.get("val_loss_q"), "mc_acc": damage.get("mc_acc_q"),
-            "mc_acc_norm": damage.get("mc_acc_norm_q"), **damage, **metrics}
+def _side(damage: dict, metrics: dict, tag: str) -> dict:
+    """One side ("fp" or "q") of a PTQ summary under the plain metric names, with the analysis metrics
+    (and, quantized, the damage itself: delta_val_loss, ...)."""
+    plain = {m: damage.get(f"{m}_{tag}") for m in ("val_loss", "mc_acc", "mc_acc_norm")}
+    return plain | (damage if tag == "q" else {}) | metrics
 
 
 def _sweep_rows(study, run: Path, base: dict, acfg: AnalysisConfig) -> list[dict[str, Any]]:
@@ -144,7 +141,7 @@ def _sweep_rows(study, run: Path, base: dict, acfg: AnalysisConfig) -> list[dict
         metrics = read_result(run, acfg, scheme, "analysis.json") or {}
         if i == 0:
             rows += _rows(base, "none", metrics, OUTLIER_METRICS)
-        rows += _rows(base, scheme, _q_side(damage, metrics), PTQ_METRICS)
+        rows += _rows(base, scheme, _side(damage, metrics, "q"), PTQ_METRICS)
     outliers = run / "ptq" / "final" / "outliers.json"
     if not study.spec.sweep_ptq_schemes and outliers.exists():
         rows += _rows(base, "none", read_json(outliers), OUTLIER_METRICS)

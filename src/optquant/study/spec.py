@@ -23,13 +23,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from optquant.config import parse_value, set_field
+from optquant.config import RunConfig, apply_overrides, parse_value, run_preset, set_field
 from optquant.errors import OptquantError
 from optquant.harness import HarnessConfig, check_harness
 from optquant.optim import OPTIMIZERS, is_optimizer, optimizer_config
 from optquant.study.bracket import round_lr
 
-ALL_OPTIMIZERS = ("adamw", "muon", "psgd", "scion", "shampoo", "soap")
 PAPER_PTQ_SCHEMES = ("w4a4-rtn", "w4a4-gptq", "w4a4-rtn-had", "w4a4-gptq-had")
 
 
@@ -37,7 +36,7 @@ PAPER_PTQ_SCHEMES = ("w4a4-rtn", "w4a4-gptq", "w4a4-rtn-had", "w4a4-gptq-had")
 class StudySpec:
     name: str = "study"
     sizes: tuple[str, ...] = ("zepto", "atto", "femto", "pico")  # model presets, smallest first
-    optimizers: tuple[str, ...] = ALL_OPTIMIZERS
+    optimizers: tuple[str, ...] = tuple(OPTIMIZERS)  # the six built-in ones
     lr_points: int = 3  # points of each optimizer's initial log LR grid
     lr_step: float = 3.0  # ratio between neighbouring grid points
     lr_extensions: int = 3  # rounds of grid extension while the best LR sits at an edge
@@ -55,6 +54,15 @@ class StudySpec:
     executor: Literal["local", "slurm", "submitit-local"] = "local"
     fit_interval: Literal["bootstrap", "loo", "none"] = "bootstrap"  # scaling-fit uncertainty
     eval: HarnessConfig = field(default_factory=HarnessConfig)  # lm-eval tasks instead of the built-in one
+
+
+def run_config(spec: StudySpec, size: str, opt: str, lr: float | None = None, seed: int = 0,
+               extra: tuple = ()) -> RunConfig:
+    """One run of the study as the planner builds it (`lr` None: the optimizer's default)."""
+    lr_set = () if lr is None else (f"optim.lr={lr}",)
+    cfg = apply_overrides(run_preset(size), [*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()),
+                                             *lr_set, f"seed={seed}", *extra])
+    return replace(cfg, name=f"{spec.name}-{size}")
 
 
 def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
