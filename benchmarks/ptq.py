@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 
+from optquant.device import keep_freed_memory
 from optquant.metrics.propagation import PropagationConfig, propagation
 from optquant.model import LM, model_config
 from optquant.quant.gptq import accumulate_hessian, gptq_quantize, layer_error
@@ -110,6 +111,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="ABC timings: the least of this many runs (default 3)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as every optquant command and study job does (device.py): ABC's stacked 4 MB
+    # activations otherwise fault in fresh pages each call (~90k faults, ~12 % of ABC at small)
     shapes = [(512, 512)] if args.quick else [(512, 512), (1024, 4096)]
     rows = layer_rows(shapes, tokens=4096)
     head = (

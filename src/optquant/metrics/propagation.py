@@ -431,7 +431,6 @@ def propagation(
     two calls on the stacked inputs; a module's output norms are its successor's input norms.
     """
     links = _chain(fp, q, cfg)
-    _keep_freed_memory()
     sums = {link.name: _Sums() for link in links}
     sums |= {n: _Sums(fp.get_submodule(n).weight, q.get_submodule(n).weight) for link in links for n in link.linears}
     with eval_mode(fp, q):
@@ -444,16 +443,6 @@ def propagation(
                 h, hq, inp = _step_link(fp, q, link, h, hq, sums, inp)
     rows = _rows(links, sums)
     return rows, summarize(rows, cfg.norm)
-
-
-def _keep_freed_memory() -> None:
-    """Allocate and free one 31 MiB block (its pages are never touched). glibc's malloc keeps freed
-    blocks for reuse up to a threshold that follows the largest block freed so far (capped at 32 MiB);
-    below it, the stacked evaluations' multi-MB activations would be fresh mappings each call, every page
-    a fault (40–90k faults, ~12 % of the analysis at `small` in a fresh process). No effect where the
-    threshold is already as high (e.g. after training) or with another allocator."""
-    block = torch.empty(31 << 20, dtype=torch.uint8)
-    del block
 
 
 def _finite_mean(vals: list[float]) -> float:
