@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from optquant.errors import OptquantError
+from optquant.metrics.gains import gain_split
 from optquant.metrics.propagation import (
     PropagationConfig,
     abc_terms,
     four_evals,
-    gain_split,
     propagation,
     ptq_pair,
     shapley_split,

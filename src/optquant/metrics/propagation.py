@@ -52,14 +52,22 @@ from functools import cached_property
 from typing import Literal
 
 import numpy as np
-import scipy.linalg
-import scipy.linalg.blas
 import torch
 from torch import Tensor, nn
 
 from optquant.errors import OptquantError
 from optquant.evaluate import eval_mode, token_ids
 from optquant.metrics.capture import capture
+from optquant.metrics.gains import (
+    gain_terms,
+    gram,
+    ratio,
+    rows2d,
+    spectral_norm,
+    sym_inner,
+    syrk,
+    top_singular,
+)
 from optquant.quant.layers import QuantLinear, linear_layers
 from optquant.quant.ptq import PTQConfig, quantize_
 from optquant.quant.rotate import rotate_model_
@@ -122,13 +130,6 @@ def four_evals(f: Callable, fq: Callable, h: Tensor, hq: Tensor) -> tuple[Tensor
     return f(h), f(hq), fq(h), fq(hq)
 
 
-def _rows2d(x: Tensor) -> Tensor:
-    """x as (rows, width) in the dtype the bookkeeping computes in: the model's own when fp32 or fp64,
-    fp32 for 16-bit formats."""
-    x = x.reshape(-1, x.shape[-1])
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
-
-
 def _sq(x: Tensor) -> Tensor:
     """Per-row squared norm of a 2-D tensor, as fp64 for the sums over rows."""
     return torch.linalg.vector_norm(x, dim=-1).double().square()
@@ -141,7 +142,7 @@ def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor]) -> dict[str, Tensor]:
     b = ½(u − v). They are formed in the outputs' dtype (an fp32 pass moves half the bytes of an fp64
     one): a difference is rounded relative to itself, so in an fp32 model the terms agree with fp64
     arithmetic to ~1e-7. ‖Δy‖² is summed as ‖a‖² + ‖b‖² + 2⟨a,b⟩, so R = A + B + C to fp64 rounding."""
-    ff, fq, qf, qq = (_rows2d(y) for y in ys)
+    ff, fq, qf, qq = (rows2d(y) for y in ys)
     u = qq - ff
     if qf is ff and qq is fq:  # f^q = f (e.g. an unquantized head): v = u, a = Δy, b = 0
         a = _sq(u)
@@ -163,13 +164,13 @@ class _Input:
     (‖x‖², ‖ΔH‖²) and, on demand, ΔHᵀΔH (fp64)."""
 
     def __init__(self, x: Tensor, xq: Tensor) -> None:
-        H = _rows2d(x)
-        self.dH = _rows2d(xq) - H
+        H = rows2d(x)
+        self.dH = rows2d(xq) - H
         self.rows = (_sq(H), _sq(self.dH))
 
     @cached_property
     def gram(self) -> np.ndarray:
-        return _syrk(self.dH).astype(np.float64)
+        return syrk(self.dH).astype(np.float64)
 
 
 class _Sums:
@@ -180,7 +181,7 @@ class _Sums:
         self.tok = dict.fromkeys(TERMS, 0.0)
         self.ten = dict.fromkeys(("d", "a", "b", "ab", "y", "din", "hin"), 0.0)
         self.n = 0
-        self.W, self.M = W, 0.5 * (_rows2d(W) + _rows2d(Wq)) if W is not None and W.shape == Wq.shape else None
+        self.W, self.M = W, 0.5 * (rows2d(W) + rows2d(Wq)) if W is not None and W.shape == Wq.shape else None
         # ‖MΔH‖² summed directly, or ΣΔHᵀΔH for ⟨ΔHᵀΔH, MᵀM⟩ at the end (`add_gain`); ‖WH‖², ‖H‖², ‖ΔH‖²
         # are the sums y, hin, din
         self.MdH, self.dHdH = 0.0, None
@@ -209,10 +210,10 @@ class _Sums:
         """(G1, G2, G_lin) of a linear layer, nan for other modules."""
         if self.M is None:
             return (math.nan,) * 3
-        gram_M = _gram(self.M)  # MᵀM whenever dHdH was accumulated
-        MdH = self.MdH if self.dHdH is None else self.MdH + _sym_inner(self.dHdH, gram_M.astype(np.float64))
+        gram_M = gram(self.M)  # MᵀM whenever dHdH was accumulated
+        MdH = self.MdH if self.dHdH is None else self.MdH + sym_inner(self.dHdH, gram_M.astype(np.float64))
         t = self.ten
-        return gain_terms(spectral_norm(self.W), _top_singular(gram_M), MdH, t["din"], t["y"], t["hin"])
+        return gain_terms(spectral_norm(self.W), top_singular(gram_M), MdH, t["din"], t["y"], t["hin"])
 
     def terms(self, norm: Norm) -> dict[str, float]:
         if norm == "token":
@@ -227,63 +228,7 @@ def abc_terms(f: Callable, fq: Callable, h: Tensor, hq: Tensor, norm: Norm = "to
     s = _Sums()
     s.add_rows(_Input(h, hq).rows, output_rows(four_evals(f, fq, h, hq)))
     t = s.terms(norm)
-    return t | {"G": _div(t["A"], t["R_in"])}
-
-
-def _div(x: float, y: float) -> float:
-    return x / y if y > 0 else math.nan
-
-
-def gain_terms(spec_W: float, spec_M: float, sq_MdH: float, sq_dH: float, sq_WH: float, sq_H: float):
-    """(G1, G2, G_lin) from spectral norms ‖W‖₂, ‖M‖₂ and the squared Frobenius norms of §7.5."""
-    G1 = (spec_M / spec_W) ** 2
-    cos_phi = _div(math.sqrt(sq_MdH), spec_M * math.sqrt(sq_dH))
-    cos_psi = _div(math.sqrt(sq_WH), spec_W * math.sqrt(sq_H))
-    G2 = _div(cos_phi, cos_psi) ** 2
-    G_lin = _div(_div(sq_MdH, sq_dH), _div(sq_WH, sq_H))
-    return G1, G2, G_lin
-
-
-def _syrk(X: Tensor) -> np.ndarray:
-    """XᵀX of X (rows, n) as its upper triangle (the lower one is 0), in X's dtype (fp32 or fp64): BLAS
-    syrk, half the flops of X.T @ X."""
-    X = _rows2d(X.detach()).cpu()
-    syrk = scipy.linalg.blas.ssyrk if X.dtype == torch.float32 else scipy.linalg.blas.dsyrk
-    return syrk(1.0, X.numpy().T)  # the numpy .T is Xᵀ, no copy
-
-
-def _gram(W: Tensor) -> np.ndarray:
-    """The smaller Gram matrix of W (out, in), upper triangle: WᵀW when in ≤ out, else WWᵀ."""
-    return _syrk(W) if W.shape[1] <= W.shape[0] else _syrk(W.T.contiguous())
-
-
-def _sym_inner(A: np.ndarray, B: np.ndarray) -> float:
-    """⟨A, B⟩ of two symmetric matrices given by their upper triangles."""
-    return 2 * float((A * B).sum()) - float(np.diagonal(A) @ np.diagonal(B))
-
-
-def _top_singular(gram: np.ndarray) -> float:
-    """√λ_max of a Gram matrix (upper triangle) in its dtype (fp32: ~3e-7 relative, twice as fast);
-    LAPACK's syevr finds the one eigenvalue in ~60 % of a full eigvalsh."""
-    n = gram.shape[0]
-    lam = scipy.linalg.eigvalsh(gram, lower=False, subset_by_index=[n - 1, n - 1], check_finite=False)[0]
-    return math.sqrt(max(float(lam), 0.0))
-
-
-def spectral_norm(W: Tensor) -> float:
-    """‖W‖₂ = √λ_max of the smaller Gram matrix, in W's dtype: a symmetric eigenproblem, several times
-    cheaper than the SVD of a rectangular W and equal to it to ~1e-15 in fp64."""
-    return _top_singular(_gram(W))
-
-
-def gain_split(W: Tensor, Wq: Tensor, h: Tensor, hq: Tensor) -> tuple[float, float, float]:
-    """(G1, G2, G_lin) of a bias-free linear layer with weights W (FP) and Wq (quantized) on inputs
-    h (FP chain) and hq (quantized chain), tensor norm."""
-    W, Wq = W.double(), Wq.double()
-    M = 0.5 * (W + Wq)
-    H, dH = _rows2d(h.double()), _rows2d(hq.double()) - _rows2d(h.double())
-    sq = [x.square().sum().item() for x in (dH @ M.T, dH, H @ W.T, H)]
-    return gain_terms(spectral_norm(W), spectral_norm(M), *sq)
+    return t | {"G": ratio(t["A"], t["R_in"])}
 
 
 @dataclass
@@ -323,7 +268,7 @@ def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
         raise OptquantError(f"propagation: granularity must be sublayer|linear, got {cfg.granularity!r}")
     last = links[-1]
     if last.name == "head" and last.same and not last.linears and _bias_free(fp.lm_head):
-        last.readout = fp.norm, torch.linalg.qr(_rows2d(fp.lm_head.weight.detach()), mode="r").R
+        last.readout = fp.norm, torch.linalg.qr(rows2d(fp.lm_head.weight.detach()), mode="r").R
     return links
 
 
@@ -392,7 +337,7 @@ def _readout_rows(readout: tuple[nn.Module, Tensor], h: Tensor, hq: Tensor, sums
     a = Δy and b = 0, and ‖W x‖ = ‖R x‖ gives ‖y‖² and ‖Δy‖² from d × d products, without evaluating
     the V-wide logits (in fp64 from norm's outputs; an fp32 model's logits would carry fp32 rounding)."""
     norm, R = readout
-    n, nq = _rows2d(norm(h)), _rows2d(norm(hq))
+    n, nq = rows2d(norm(h)), rows2d(norm(hq))
     y, d = _sq(n @ R.T), _sq((nq - n) @ R.T)
     zero = torch.zeros_like(y)
     sums.add_rows(inp, {"d": d, "y": y, "a": d, "b": zero, "ab": zero})
@@ -406,7 +351,7 @@ def _rows(links: list[_Link], sums: dict[str, _Sums]) -> list[ABCRow]:
             split = dict(zip(("G1", "G2", "G_lin"), sums[name].gains(), strict=True))
             for norm in ("token", "tensor"):
                 t = sums[name].terms(norm)
-                rows.append(ABCRow(idx, name, kind, norm, **t, G=_div(t["A"], t["R_in"]),
+                rows.append(ABCRow(idx, name, kind, norm, **t, G=ratio(t["A"], t["R_in"]),
                                    **(split if norm == "tensor" else {})))
     return rows
 
