@@ -99,3 +99,17 @@ def test_cost_section_from_the_executor_log(nano_cfg, tmp_path):
     assert per_opt.rows[0][0] == "adamw" and shares.rows[0][0] == "training" and shares.rows[0][2] == "100.0 %"
     (tmp_path / "costs.jsonl").write_text("")
     assert "no cost log" in cost_section(tmp_path).blocks[0].missing
+
+
+def test_a_studys_batches_share_one_pool_of_workers(nano_cfg, tmp_path):
+    """The workers a study starts serve all its stages (spawned and importing torch once, not per stage);
+    a batch without the study's pool gets workers of its own."""
+    batches = [[_train_job(nano_cfg, tmp_path, f"{b}{i}", "train.steps=2", f"seed={10 * b + i}") for i in range(2)]
+               for b in range(3)]
+    with executor.WorkerPool(2) as pool:
+        for jobs in batches[:2]:
+            execute(jobs, "local", 2, tmp_path / "submitit", pool=pool)
+    shared = {r["worker"] for r in read_costs(tmp_path)}
+    assert len(read_costs(tmp_path)) == 4 and len(shared) <= 2
+    execute(batches[2], "local", 2, tmp_path / "submitit")
+    assert not {r["worker"] for r in read_costs(tmp_path)[4:]} & shared

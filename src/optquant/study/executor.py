@@ -6,7 +6,9 @@ study is resumed by running the same batch again.
 
 - `local`: a pool of `workers` spawned processes; the machine's cores are split evenly between them
   (torch threads per worker = cores // workers). workers=1 runs jobs in this process. The workers die
-  with the study process, however it ends (prctl PDEATHSIG on Linux).
+  with the study process, however it ends (prctl PDEATHSIG on Linux). A study keeps one `WorkerPool`
+  for all its stages: a worker's start (spawn, then importing torch and optquant: ~7 s of CPU) is paid
+  once per study, not once per stage.
 - `slurm`: submitit's AutoExecutor (one Slurm job per study job); `submitit-local` is submitit's local
   executor, which runs the same code path on this machine and is how the Slurm route is tested.
 
@@ -27,6 +29,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -179,25 +182,66 @@ def _init_worker(threads: int, parent: int | None = None) -> None:
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    import optquant.study.jobs  # noqa: F401  every job's imports, while the study is still planning
 
 
 def _threads(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
-def run_local(jobs: list[Job], workers: int) -> Iterator[tuple[Job, tuple[dict[str, Any], dict[str, Any]]]]:
-    """Yield (job, (result, timing)) as jobs finish, in submission order's priority."""
+class WorkerPool:
+    """The local executor's worker processes, started at the first batch and kept for the next ones (a
+    study's stages); a pool whose worker died is replaced at the next batch."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def get(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("spawn"),
+                                             initializer=_init_worker,
+                                             initargs=(_threads(self.workers), os.getpid()))
+        return self._pool
+
+    def close(self, wait: bool = True) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=wait, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self.close(wait=exc_type is None)
+
+
+def run_local(jobs: list[Job], workers: int,
+              pool: WorkerPool | None = None) -> Iterator[tuple[Job, tuple[dict[str, Any], dict[str, Any]]]]:
+    """Yield (job, (result, timing)) as jobs finish, in submission order's priority. `pool`: worker
+    processes to reuse (a study's); without one, a pool lives for this batch only."""
     if workers <= 1 or len(jobs) <= 1:
         for job in jobs:
             yield job, timed_job(job)
         return
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("spawn"),
-                             initializer=_init_worker, initargs=(_threads(workers), os.getpid())) as pool:
-        pending = {pool.submit(timed_job, job): job for job in jobs}
+    own = pool is None
+    pool = WorkerPool(min(workers, len(jobs))) if own else pool
+    pending = {}
+    try:
+        executor = pool.get()
+        pending = {executor.submit(timed_job, job): job for job in jobs}
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
                 yield pending.pop(future), future.result()
+    except BrokenProcessPool:
+        pool.close(wait=False)  # a worker died (killed, out of memory): the next batch starts a new pool
+        raise
+    finally:
+        for future in pending:  # abandoned (an error, or the caller stopped): do not run the rest
+            future.cancel()
+        if own:
+            pool.close()
 
 
 def run_submitit(jobs: list[Job], folder: Path, cluster: str | None,
@@ -214,10 +258,10 @@ def run_submitit(jobs: list[Job], folder: Path, cluster: str | None,
 
 def execute(jobs: list[Job], kind: str, workers: int, folder: Path | None,
             on_done: Callable[[Job, dict[str, Any]], None] | None = None,
-            costs: Path | None = None) -> dict[str, dict[str, Any]]:
+            costs: Path | None = None, pool: WorkerPool | None = None) -> dict[str, dict[str, Any]]:
     """Run `jobs` with the chosen executor; returns key → result. Jobs already done are read, not
     run; each job that runs is logged to `costs` (default: costs.jsonl beside `folder`, i.e. in the
-    study directory; no log without either)."""
+    study directory; no log without either). `pool`: local workers to reuse (a study's)."""
     if costs is None and folder is not None:
         costs = Path(folder).parent / "costs.jsonl"
     results, todo = {}, []
@@ -231,7 +275,7 @@ def execute(jobs: list[Job], kind: str, workers: int, folder: Path | None,
             on_done(job, done)
     todo = longest_first(todo)
     if kind == "local":
-        stream = run_local(todo, workers)
+        stream = run_local(todo, workers, pool)
     else:
         stream = run_submitit(todo, folder, "local" if kind == "submitit-local" else None)
     n_workers = workers if kind == "local" else len(todo)

@@ -29,7 +29,7 @@ from optquant.config import RunConfig, to_dict
 from optquant.harness import HarnessConfig, task_manager
 from optquant.runs import read_config, read_metrics, run_dir
 from optquant.study.bracket import bracket, extensions, refinement
-from optquant.study.executor import Job, execute
+from optquant.study.executor import Job, WorkerPool, execute
 from optquant.study.spec import StudySpec, lr_grid, run_config
 from optquant.train import HISTORY, history_checkpoint
 
@@ -43,6 +43,7 @@ class Study:
     spec: StudySpec
     root: Path
     on_event: Event | None = None
+    pool: WorkerPool | None = None  # the local workers, kept across the stages
 
     @property
     def runs(self) -> Path:
@@ -55,7 +56,8 @@ class Study:
     def run(self, stage: str, jobs: list[Job]) -> dict[str, dict[str, Any]]:
         self.emit(event="stage", stage=stage, jobs=len(jobs))
         return execute(jobs, self.spec.executor, self.spec.workers, self.root / "submitit",
-                       lambda job, result: self.emit(event="job", stage=stage, key=job.key, result=result))
+                       lambda job, result: self.emit(event="job", stage=stage, key=job.key, result=result),
+                       pool=self.pool)
 
 
 def train_jobs(study: Study, cfgs: list[RunConfig]) -> list[Job]:
@@ -243,17 +245,18 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
 
     if spec.eval.tasks:  # unknown task names fail now, before anything is written or trained
         task_manager(spec.eval.tasks, spec.eval.include_path or None)
-    study = Study(spec, Path(root), on_event)
-    study.root.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(study.root / "study.json", {"spec": asdict(spec), "sizes": _sizes(spec)})
-    tuned = sweep_stage(study)
-    table = fp_stage(study, tuned)
-    warn_unconverged(study, table)
-    thresholds, cl_paths = cl_stage(study, tuned, table)
-    ptq_stage(study, cl_paths, table)
-    qat = qat_stage(study, tuned, table) if spec.qat_bits else {}
-    prune_history(study)  # QAT runs keep theirs too: their config must equal their FP twin's but for qat
-    write_results(study, table, thresholds, cl_paths, qat)
+    with WorkerPool(spec.workers) as pool:  # started by the first batch that needs it
+        study = Study(spec, Path(root), on_event, pool)
+        study.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(study.root / "study.json", {"spec": asdict(spec), "sizes": _sizes(spec)})
+        tuned = sweep_stage(study)
+        table = fp_stage(study, tuned)
+        warn_unconverged(study, table)
+        thresholds, cl_paths = cl_stage(study, tuned, table)
+        ptq_stage(study, cl_paths, table)
+        qat = qat_stage(study, tuned, table) if spec.qat_bits else {}
+        prune_history(study)  # QAT runs keep theirs too: their config must equal their FP twin's but for qat
+        write_results(study, table, thresholds, cl_paths, qat)
     study.emit(event="stage", stage="report", jobs=0)
     return render_report(study.root)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -211,7 +212,10 @@ def _fit_n(df: pd.DataFrame) -> tuple[pd.Series, str]:
     return n, "/".join(sorted(set(df["budget_params"].dropna()))) or "total"
 
 
-def fits(df: pd.DataFrame, interval: str = "bootstrap") -> dict[str, Any]:
+def fits(df: pd.DataFrame, interval: str = "bootstrap", map_fn: Callable = map) -> dict[str, Any]:
+    """Each optimizer's law and the joint fit. They are independent (each bootstrap seeds its own
+    generator), so `map_fn` may run them in parallel (a study passes its worker pool's map), joint first:
+    it is the longest."""
     rows = df[(df.kind.isin(["fp", "qat"])) & (df.metric == "final_val_loss") & ((df.kind == "qat") | df.best_lr)]
     if (rows.kind == "qat").any() and "bits" not in rows:
         raise OptquantError("results.parquet has QAT rows without a bits column (written before optquant "
@@ -224,18 +228,29 @@ def fits(df: pd.DataFrame, interval: str = "bootstrap") -> dict[str, Any]:
     out: dict[str, Any] = {"per_optimizer": {}, "joint": None, "errors": {}, "headline": "joint",
                            "n_count": n_count}
     cfg = FitConfig(n_boot=100, interval=interval)
+    opts = sorted({p.optimizer for p in points})
+    tasks = [("joint", points, cfg)] if points else []
+    tasks += [(opt, [p for p in points if p.optimizer == opt], cfg) for opt in opts]
     laws = {}
-    for opt in sorted({p.optimizer for p in points}):
-        try:
-            laws.update(fit_laws([p for p in points if p.optimizer == opt], cfg))
-        except OptquantError as e:
-            out["errors"][opt] = str(e)
+    for name, fit in map_fn(fit_task, tasks):
+        if isinstance(fit, str):
+            out["errors"][name] = fit
+        elif name == "joint":
+            out["joint"] = fit.to_dict()
+        else:
+            laws.update(fit)
     out["per_optimizer"] = {k: v.to_dict() for k, v in judge(laws, cfg).items()}
-    try:
-        out["joint"] = fit_joint(points, cfg).to_dict() if points else None
-    except OptquantError as e:
-        out["errors"]["joint"] = str(e)
+    out["errors"] = {k: out["errors"][k] for k in [*opts, "joint"] if k in out["errors"]}  # a fixed order
     return out
+
+
+def fit_task(task: tuple[str, list[ScalingPoint], FitConfig]) -> tuple[str, Any]:
+    """(name, the joint fit or {optimizer: law}) of one `fits` task, or (name, why it cannot be fitted)."""
+    name, points, cfg = task
+    try:
+        return name, fit_joint(points, cfg) if name == "joint" else fit_laws(points, cfg)
+    except OptquantError as e:
+        return name, str(e)
 
 
 def write_results(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> pd.DataFrame:
@@ -243,7 +258,9 @@ def write_results(study, table: dict, thresholds: dict, cl_paths: dict, qat: dic
     write_parquet(study.root / "results.parquet", df)
     corr = correlations(df)
     write_parquet(study.root / "correlations.parquet", corr)
-    atomic_write_json(study.root / "fits.json", fits(df, study.spec.fit_interval))
+    local = study.pool is not None and study.spec.executor == "local" and study.spec.workers > 1
+    pool = study.pool.get() if local else None  # the fits on the study's workers, in parallel
+    atomic_write_json(study.root / "fits.json", fits(df, study.spec.fit_interval, pool.map if pool else map))
     atomic_write_json(study.root / "best.json", {
         f"{o}/{s}": {"best_lr": r["best"], "status": r["status"], "reason": r["reason"],
                      "loss": r["best_loss"] if math.isfinite(r["best_loss"]) else None,
