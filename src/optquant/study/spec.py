@@ -103,9 +103,10 @@ def cpu() -> StudySpec:
     """The default: four sizes from 3.1k to 27.8k non-embedding parameters (an 8.9× span, what the
     scaling fit needs; the absolute size matters less), 20 tokens per non-embedding parameter (Kaplan's N,
     which the fits count too; with a 1024 vocabulary the embedding would otherwise set the budget), three
-    seeds for every best-LR, Common-Loss and QAT run."""
-    return StudySpec(name="cpu", sizes=("zepto", "atto", "femto", "pico"), per_optimizer=_caps(512),
-                     run=_CPU_RUN)
+    seeds for every best-LR, Common-Loss and QAT run, and up to four extension rounds (with three, AdamW's
+    search still ended at its grid's edge at three sizes)."""
+    return StudySpec(name="cpu", sizes=("zepto", "atto", "femto", "pico"), lr_extensions=4,
+                     per_optimizer=_caps(512), run=_CPU_RUN)
 
 
 def cpu_thorough() -> StudySpec:
