@@ -225,7 +225,7 @@ def run_local(jobs: list[Job], workers: int,
             yield job, timed_job(job)
         return
     own = pool is None
-    pool = WorkerPool(min(workers, len(jobs))) if own else pool
+    pool = WorkerPool(workers) if own else pool  # processes start as jobs need them (spawn start method)
     pending = {}
     try:
         executor = pool.get()
