@@ -52,10 +52,10 @@ def keep_freed_memory() -> bool:
     kernel. By default glibc maps big blocks afresh (mmap) and trims the heap's free top, so a tensor of a
     few MB (at `pico`, the 1024×1024 logits and their gradients) can cost page faults on every step.
     Measured on the 2-core AVX2 machine (README, Benchmarks): 1.04–1.64× per step in a process that only
-    trains (benchmarks/allocator.py), ~15 % on an `optquant train --preset pico`, 3.4 % of a study's CPU
-    time, whose long-lived processes had mostly adapted. Numbers are unchanged: only where the memory comes
-    from differs. The cost
-    is resident memory: a process keeps its peak. Not touched when the user tunes malloc already
+    trains (benchmarks/allocator.py), ~15 % on an `optquant train --preset pico`, 3.4 % of a one-worker
+    study's CPU time; in a two-worker `cpu` study system time fell from 449 s to 22 s of ~3,200 s (with
+    issue 11's other changes). Numbers are unchanged: only where the memory comes from differs. The cost is
+    resident memory: a process keeps its peak. Not touched when the user tunes malloc already
     (GLIBC_TUNABLES naming glibc.malloc, or MALLOC_*_ variables), nor off glibc. Returns whether it applied."""
     if not sys.platform.startswith("linux") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
