@@ -163,8 +163,8 @@ _UNIT = (0.0, 1.0, True, False)
 _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     **dict.fromkeys(("lr", "adam_lr", "embed_lr", "vector_lr", "precondition_lr", "eps", "adam_eps", "scale",
                      "rope_base", "init_std", "cl_threshold"), _POS),
-    **dict.fromkeys(("weight_decay", "tokens_per_param", "steps", "diverge_factor", "split_seed", "cl_eval_every",
-                     "cl_eval_from"), _NONNEG),
+    **dict.fromkeys(("weight_decay", "adam_lr_ratio", "embed_lr_ratio", "vector_lr_ratio", "tokens_per_param",
+                     "steps", "diverge_factor", "split_seed", "cl_eval_every", "cl_eval_from"), _NONNEG),
     **dict.fromkeys(("batch_size", "grad_accum", "eval_every", "eval_batches", "ns_steps", "precondition_frequency",
                      "n_layer", "d_model", "n_head", "n_kv_head", "mlp_ratio", "max_size_triangular",
                      "min_ndim_triangular", "max_preconditioner_dim", "max_precondition_dim"), _ONE_UP),

@@ -8,7 +8,10 @@ m ← β·m + (1−β)·g; u = (1−β)·g + β·m (Nesterov); O = NS5(u) (5 qui
 6e-3 from the reference after 30 steps, bf16 rounding). Its defaults differ from the paper's and are set
 explicitly here: weight_decay 0.1 → the config's (0), `adjust_lr_fn` → "original".
 
-The schedule multiplies the AdamW group's fixed 3e-3 too, like the authors' scheduler.
+The AdamW group's step size is either the authors' fixed `adam_lr` = 3e-3 (their value at 50M+, kept for
+the `paper` preset) or, with `adam_lr_ratio` > 0, tied to Muon's: adam_lr = adam_lr_ratio × lr, so that an LR
+search moves both and a study can search the ratio (study/tuning.py). The schedule multiplies it either way,
+like the authors' scheduler.
 Left out: Muon's distributed variant (the authors ran the single-device one).
 
 Newton–Schulz runs in `ns_dtype`: "bf16" is torch's (and the authors') choice, and with it our step is
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -84,11 +87,15 @@ class MuonConfig:
     ns_steps: int = 5
     weight_decay: float = 0.0  # decoupled, for both Muon and its AdamW (torch.optim.Muon's default is 0.1)
     adjust_lr: Literal["original", "match_rms_adamw"] = "original"  # original: √max(1, rows/cols)
-    adam_lr: float = 3e-3
+    adam_lr: float = 3e-3  # the AdamW group's fixed step size (the authors'), used when adam_lr_ratio is 0
+    adam_lr_ratio: float = 0.0  # > 0: the AdamW group's step size is adam_lr_ratio × lr (tied to the LR search)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-6
     ns_dtype: Literal["auto", "bf16", "fp32"] = "auto"  # Newton–Schulz; bf16 = torch's; auto = as precision
+
+    # group step sizes a study can tie to lr and search: label -> (fixed field, ratio field)
+    GROUP_LRS: ClassVar[dict[str, tuple[str, str]]] = {"adamw": ("adam_lr", "adam_lr_ratio")}
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         optimizers: list[torch.optim.Optimizer] = []
@@ -106,7 +113,8 @@ class MuonConfig:
                 )
             )
         if groups.embeddings or groups.vectors:  # the rest: the AdamW optimizer's own build, without the matrices
-            adamw = AdamWConfig(lr=self.adam_lr, beta1=self.adam_beta1, beta2=self.adam_beta2, eps=self.adam_eps,
+            adam_lr = self.adam_lr_ratio * self.lr if self.adam_lr_ratio > 0 else self.adam_lr
+            adamw = AdamWConfig(lr=adam_lr, beta1=self.adam_beta1, beta2=self.adam_beta2, eps=self.adam_eps,
                                 weight_decay=self.weight_decay)
             optimizers += adamw.build(replace(groups, matrices=[]))
         return optimizers

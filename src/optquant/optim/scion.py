@@ -5,7 +5,8 @@ as the authors called it (paper.md §3), all with Scion's α = 1 − β (d ← (
 decay, scale 1 and `constraint=False` passed explicitly (the library's and the reference's flags of that
 name mean opposite things):
 - hidden matrices: spectral LMO, W ← W − lr·√(d_out/d_in)·NS5(d);
-- embedding (= tied head): sign LMO, W ← W − lr_emb·sign(d)/d_in with lr_emb = 1;
+- embedding (= tied head): sign LMO, W ← W − lr_emb·sign(d)/d_in with lr_emb = 1 (or, with
+  `embed_lr_ratio` > 0, lr_emb = embed_lr_ratio × lr: tied to the LR search, as `vector_lr_ratio` ties lr_vec);
 - vectors (RMSNorm gains, QK scales): lr_vec = 3e-3 with `norm_type=8`, an LMO defined only in the
   authors' fork ("Scion correction for learnable gains"), which is not retrievable. Upstream the type
   falls back to the identity (momentum SGD, which at lr 3e-3 barely moves a gain); the library's sign LMO
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pytorch_optimizer import SCION
@@ -101,8 +102,10 @@ class ScionConfig:
     name: Literal["scion"] = "scion"
     lr: float = 50 * 2**-12  # hidden matrices (the swept lr)
     momentum: float = 0.1  # Scion's α = 1 − β, the authors' 1 − 0.9
-    embed_lr: float = 1.0
+    embed_lr: float = 1.0  # the authors' fixed step sizes, used while the matching ratio is 0
     vector_lr: float = 3e-3
+    embed_lr_ratio: float = 0.0  # > 0: the embedding's step size is embed_lr_ratio × lr (tied to the LR search)
+    vector_lr_ratio: float = 0.0  # > 0: the vectors' step size is vector_lr_ratio × lr
     vector_lmo: Literal["sign", "identity", "rms"] = "sign"
     weight_decay: float = 0.0  # decoupled
     constraint: bool = False  # True: Frank–Wolfe W ← (1−lr)·W − lr·LMO(d), the constrained variant
@@ -110,10 +113,16 @@ class ScionConfig:
     ns_steps: int = 5
     ns_dtype: Literal["auto", "bf16", "fp32"] = "auto"  # Newton–Schulz; bf16 = the library's; auto = as precision
 
+    # group step sizes a study can tie to lr and search: label -> (fixed field, ratio field)
+    GROUP_LRS: ClassVar[dict[str, tuple[str, str]]] = {"embedding": ("embed_lr", "embed_lr_ratio"),
+                                                        "vectors": ("vector_lr", "vector_lr_ratio")}
+
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
+        embed_lr = self.embed_lr_ratio * self.lr if self.embed_lr_ratio > 0 else self.embed_lr
+        vector_lr = self.vector_lr_ratio * self.lr if self.vector_lr_ratio > 0 else self.vector_lr
         spec = [
-            (groups.embeddings, self.embed_lr, int(LMONorm.SIGN), {}),
-            (groups.vectors, self.vector_lr, _VECTOR_NORM[self.vector_lmo], {}),
+            (groups.embeddings, embed_lr, int(LMONorm.SIGN), {}),
+            (groups.vectors, vector_lr, _VECTOR_NORM[self.vector_lmo], {}),
             (groups.matrices, self.lr, int(LMONorm.SPECTRAL), {"num_steps": self.ns_steps}),
         ]
         params = [

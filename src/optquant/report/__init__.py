@@ -19,7 +19,7 @@ from pathlib import Path
 from optquant.report import curves, figures, paper
 from optquant.report.claims import claims_table
 from optquant.report.costs import cost_section
-from optquant.report.diagnostics import cl_table, correlation_table, cost_table, lr_status_table
+from optquant.report.diagnostics import cl_table, correlation_table, cost_table, lr_status_table, tuning_table
 from optquant.report.fits import fit_diagnostics_table, table10, table10_joint
 from optquant.report.html import Section, page
 from optquant.report.load import StudyData, fmt_count, load_study
@@ -55,6 +55,7 @@ def _fp_section(d: StudyData, fig_dir: Path) -> Section:
     )
     blocks = (
         (table2(d), paper_table(paper.TABLE2_ACC, "paper-t2")),
+        tuning_table(d),
         lr_status_table(d),
         curves.fig_lr_sweeps(d, fig_dir),
         curves.fig_training_curves(d, fig_dir),
@@ -154,9 +155,9 @@ def render_report(study_dir: str | Path) -> Path:
 def headline_tables(d: StudyData) -> list:
     """The tables the README pastes, in order; the HTML page shows the same `Table` objects."""
     scheme = d.paper_scheme() or "w4a4-rtn"
-    return [table2(d), lr_status_table(d), table3(d, scheme), *task_tables(d, scheme), table3_schemes(d), table4(d),
-            outlier_table(d), correlation_table(d, scheme), cl_table(d), table10(d), table10_joint(d),
-            fit_diagnostics_table(d), claims_table(d)]
+    return [table2(d), tuning_table(d), lr_status_table(d), table3(d, scheme), *task_tables(d, scheme),
+            table3_schemes(d), table4(d), outlier_table(d), correlation_table(d, scheme), cl_table(d), table10(d),
+            table10_joint(d), fit_diagnostics_table(d), claims_table(d)]
 
 
 def report_markdown(study_dir: str | Path) -> str:

@@ -71,6 +71,44 @@ def lr_status_table(d: StudyData) -> Table:
     )
     return Table("lr-status", title, ("size", "optimizer", "best LR", "status", "reason"), tuple(rows), caption)
 
+# ---------------------------------------------------------------- step sizes
+RULES = {"searched": "searched: the LR search at each size",
+         "tied": "tied: ratio × LR, the ratio searched at each size",
+         "tied-fixed": "tied: a fixed ratio × LR (not searched)", "fixed": "fixed (the authors' value, not searched)"}
+
+
+def tuning_table(d: StudyData) -> Table:
+    """Every step size of every optimizer: the LR it used at each size, how it was chosen, and the share of
+    the parameters it moves (best.json's `groups`, read off the best runs' built optimizers)."""
+    title = "Tuning — every step size, how it was chosen, and the share of parameters it moves"
+    if not d.best or not any(r.get("groups") for r in d.best.values()):
+        return not_run("tuning", title, "no step-size groups in best.json")
+    sizes = [s for s in d.sizes if any(k.endswith(f"/{s}") for k in d.best)]
+    cells: dict[tuple[str, str, str], dict[str, str]] = {}
+    share: dict[tuple[str, str, str], float] = {}
+    for k, r in d.best.items():
+        opt, _, size = k.partition("/")
+        for g in r.get("groups") or []:
+            key = (opt, g["group"], g["rule"])
+            ratio = f" ({g['ratio']:.3g} × LR)" if g["rule"] in ("tied", "tied-fixed") else ""
+            status = r.get("ratio_status", {}).get(g.get("field") or "", r.get("status", "")) or ""
+            flag = "" if status in (*BRACKETED, "diverged") else f", {status}"
+            cells.setdefault(key, {})[size] = fmt_lr(float(g["lr"])) + ratio + flag
+            if size == sizes[-1] or key not in share:
+                share[key] = float(g["share"])
+    order = {o: i for i, o in enumerate(d.optimizers)}
+    rows = tuple((d.label(o), g.replace("+", " + "), f"{share[(o, g, rule)]:.1%}", RULES.get(rule, rule),
+                  *(cells[(o, g, rule)].get(s, "–") for s in sizes))
+                 for o, g, rule in sorted(cells, key=lambda k: (order.get(k[0], 99), k[1])))
+    seed0 = (d.spec.get("seeds") or [0])[0]
+    caption = (f"From best.json: each optimizer's parameter groups as built for its best run at each size (seed "
+               f"{seed0}), their LR (peak, before the schedule) and rule; share of parameters at the largest size. "
+               "A flag after the LR names a search that ended unbracketed (cap). A fixed step size moving ≥ 1 % "
+               "of the parameters leaves its optimizer untuned: claims comparing it are not testable.")
+    return Table("tuning", title, ("optimizer", "parameter group", "share", "how chosen",
+                                   *(d.size_label(s) for s in sizes)), rows, caption)
+
+
 # ---------------------------------------------------------------- cost
 def cost_table(d: StudyData) -> Table:
     title = "Cost — step time and optimizer-state memory, as ratios to AdamW"

@@ -28,9 +28,10 @@ from optquant.checkpoint import atomic_write_json, atomic_write_text
 from optquant.config import RunConfig, to_dict
 from optquant.harness import HarnessConfig, task_manager
 from optquant.runs import read_config, read_metrics, run_dir
-from optquant.study.bracket import bracket, extensions, refinement
+from optquant.study.bracket import bracket
 from optquant.study.executor import Job, WorkerPool, execute
 from optquant.study.spec import StudySpec, lr_grid, run_config
+from optquant.study.tuning import loss_of, losses, ratio_overrides, step_sizes, tune
 from optquant.train import HISTORY, history_checkpoint
 
 log = logging.getLogger(__name__)
@@ -65,11 +66,6 @@ def train_jobs(study: Study, cfgs: list[RunConfig]) -> list[Job]:
     return [Job("train", Path(d).name, {"config": to_dict(c), "run_dir": d}) for d, c in unique.items()]
 
 
-def loss_of(summary: dict[str, Any]) -> float:
-    value = summary.get("final_val_loss")
-    return math.inf if summary.get("status") != "done" or value is None else float(value)
-
-
 def sweep_stage(study: Study) -> dict[str, tuple[str, ...]]:
     """The paper's sequential 1-D sweeps at the smallest size: each hyperparameter's best value is
     kept for the next sweep and for every size. Returns per-optimizer overrides."""
@@ -89,55 +85,51 @@ def sweep_stage(study: Study) -> dict[str, tuple[str, ...]]:
     return tuned
 
 
-def fp_stage(study: Study, tuned: dict[str, tuple]) -> dict[tuple, dict[str, Any]]:
-    """The LR search per (optimizer, size) on the first seed (study/bracket.py: extend until bracketed,
-    at most `lr_extensions` rounds, then refine once), then the best LR's run for every other seed.
-    Returns (opt, size) → {"lrs": {lr: [summary per seed]}, "best": lr, "status", "reason",
-    "best_loss": mean final loss over the best LR's seeds}."""
+def fp_stage(study: Study, swept: dict[str, tuple]) -> tuple[dict[tuple, dict[str, Any]], dict[tuple, tuple]]:
+    """The step-size search per (optimizer, size) on the first seed (study/tuning.py: the LR, and each tied
+    group's ratio, bracketed and refined), then the best point's run for every other seed. Returns the table
+    (opt, size) → {"lrs": {lr: [summary per seed]}, "best": lr, "status", "reason", "best_loss": mean final
+    loss over the best LR's seeds, "ratios": {field: value}, "ratio_search": {field: {ratio: loss}}} and
+    each key's run overrides (the sweeps' and the tuned ratios)."""
     spec = study.spec
     seed0 = spec.seeds[0]
-    keys = [(o, s) for o in spec.optimizers for s in spec.sizes]
-    found: dict[tuple, dict[float, dict]] = {key: {} for key in keys}
 
-    def run(stage: str, lrs: dict[tuple, list[float]], seeds=(seed0,)) -> None:
-        cfgs = {(key, lr, seed): fp_config(spec, key, lr, seed, tuned) for key, grid in lrs.items()
-                for lr in grid for seed in seeds}
-        if cfgs:
-            results = study.run(stage, train_jobs(study, list(cfgs.values())))
-            for (key, lr, seed), cfg in cfgs.items():
-                found[key].setdefault(lr, {})[seed] = results[run_dir(study.runs, cfg).name]
+    def run(stage: str, cfgs: dict) -> dict:
+        results = study.run(stage, train_jobs(study, list(cfgs.values())))
+        return {tag: results[run_dir(study.runs, cfg).name] for tag, cfg in cfgs.items()}
 
-    def losses(key: tuple) -> dict[float, float]:
-        return {lr: loss_of(per_seed[seed0]) for lr, per_seed in found[key].items()}
+    def config(key: tuple, lr: float, ratios: dict, seed: int = seed0) -> RunConfig:
+        return fp_config(spec, key, lr, seed, {key: (*swept[key[0]], *ratio_overrides(ratios))})
 
-    pending = {key: list(lr_grid(spec, key[0])) for key in keys}
-    for rnd in range(spec.lr_extensions + 1):
-        run("fp sweep" if rnd == 0 else f"fp extension {rnd}", pending)
-        pending = {key: new for key in keys if (new := extensions(losses(key), spec.lr_step))}
-        if not pending or rnd == spec.lr_extensions:
-            break
-    if spec.lr_refine:
-        run("fp refinement", {key: [lr] for key in keys if bracket(losses(key)).status in ("bracketed", "diverged")
-                              and (lr := refinement(losses(key))) is not None})
-    ends = {key: bracket(losses(key)) for key in keys}
-    run("fp seeds", {key: [b.best] for key, b in ends.items() if b.best is not None}, spec.seeds[1:])
+    found = tune(run, spec, config)
+    tuned = {key: (*swept[key[0]], *ratio_overrides(t.ratios)) for key, t in found.items()}
+    ends = {key: bracket(losses(t.lr_runs)) for key, t in found.items()}
+    seeds = {(key, seed): config(key, b.best, found[key].ratios, seed) for key, b in ends.items()
+             if b.best is not None for seed in spec.seeds[1:]}
+    others = run("fp seeds", seeds) if seeds else {}
     table = {}
     for key, b in ends.items():
-        lrs = {lr: [per_seed[seed] for seed in spec.seeds if seed in per_seed] for lr, per_seed in
-               sorted(found[key].items())}
-        best_losses = [loss_of(x) for x in lrs[b.best]] if b.best is not None else [math.inf]
-        table[key] = {"lrs": lrs, "best": b.best, "status": b.status, "reason": b.reason,
-                      "best_loss": sum(best_losses) / len(best_losses)}
+        per_lr = {lr: [s] for lr, s in sorted(found[key].lr_runs.items())}
+        if b.best is not None:
+            per_lr[b.best] += [others[(key, seed)] for seed in spec.seeds[1:]]
+        best_losses = [loss_of(x) for x in per_lr[b.best]] if b.best is not None else [math.inf]
+        table[key] = {"lrs": per_lr, "best": b.best, "status": b.status, "reason": b.reason,
+                      "best_loss": sum(best_losses) / len(best_losses), "ratios": found[key].ratios,
+                      "ratio_search": {f: losses(r) for f, r in found[key].ratio_runs.items()},
+                      "ratio_status": {f: bracket(losses(r)).status for f, r in found[key].ratio_runs.items()},
+                      "groups": step_sizes(config(key, b.best if b.best is not None else 1e-3, found[key].ratios),
+                                           set(found[key].ratios))}
         if b.status != "bracketed":
             log.warning("%s at %s: best LR %s not bracketed (%s): %s", *key, b.best, b.status, b.reason)
-    return table
+    return table, tuned
 
 
 def fp_config(spec: StudySpec, key: tuple, lr: float, seed: int, tuned: dict, extra: tuple = ()) -> RunConfig:
     """An FP (or, with `extra`, QAT) run of the study; every evaluation's checkpoint is kept so the
-    Common-Loss stage can start from the last one before the crossing instead of replaying the run."""
+    Common-Loss stage can start from the last one before the crossing instead of replaying the run.
+    `tuned`: (opt, size) → the run's overrides (sweeps, tied group ratios)."""
     opt, size = key
-    return run_config(spec, size, opt, lr, seed, (*tuned[opt], "train.keep_history=true", *extra))
+    return run_config(spec, size, opt, lr, seed, (*tuned[key], "train.keep_history=true", *extra))
 
 
 def cl_stage(study: Study, tuned: dict, table: dict) -> tuple[dict, dict[tuple, Path]]:
@@ -157,7 +149,7 @@ def cl_stage(study: Study, tuned: dict, table: dict) -> tuple[dict, dict[tuple, 
         source = study.runs / summary["run_id"]
         start = last_eval_before(read_metrics(source), threshold)
         cfg = run_config(spec, size, opt, table[(opt, size)]["best"], read_config(source).seed,
-                         (*tuned[opt], f"train.cl_threshold={threshold!r}", "train.stop_at_cl=true",
+                         (*tuned[(opt, size)], f"train.cl_threshold={threshold!r}", "train.stop_at_cl=true",
                           f"train.cl_eval_every={spec.cl_eval_every}", f"train.cl_eval_from={start}"))
         cfgs[(opt, size, cfg.seed)] = cfg
         seed_from_history(source, start, run_dir(study.runs, cfg))
@@ -249,8 +241,7 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
         study = Study(spec, Path(root), on_event, pool)
         study.root.mkdir(parents=True, exist_ok=True)
         atomic_write_json(study.root / "study.json", {"spec": asdict(spec), "sizes": _sizes(spec)})
-        tuned = sweep_stage(study)
-        table = fp_stage(study, tuned)
+        table, tuned = fp_stage(study, sweep_stage(study))
         warn_unconverged(study, table)
         thresholds, cl_paths = cl_stage(study, tuned, table)
         ptq_stage(study, cl_paths, table)

@@ -264,7 +264,11 @@ def write_results(study, table: dict, thresholds: dict, cl_paths: dict, qat: dic
     atomic_write_json(study.root / "best.json", {
         f"{o}/{s}": {"best_lr": r["best"], "status": r["status"], "reason": r["reason"],
                      "loss": r["best_loss"] if math.isfinite(r["best_loss"]) else None,
-                     "seeds": len(r["lrs"].get(r["best"], []))} for (o, s), r in table.items()})
+                     "seeds": len(r["lrs"].get(r["best"], [])), "ratios": r.get("ratios", {}),
+                     "ratio_status": r.get("ratio_status", {}),
+                     "ratio_search": {f: {repr(x): (v if math.isfinite(v) else None) for x, v in sorted(xs.items())}
+                                      for f, xs in r.get("ratio_search", {}).items()},
+                     "groups": r.get("groups", [])} for (o, s), r in table.items()})
     log.info("results: %d rows, %d correlations", len(df), len(corr))
     return df
 

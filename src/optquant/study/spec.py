@@ -41,6 +41,8 @@ class StudySpec:
     lr_step: float = 3.0  # ratio between neighbouring grid points
     lr_extensions: int = 3  # rounds of grid extension while the best LR sits at an edge
     lr_refine: bool = True  # one more point between the best LR and its better neighbour
+    lr_from_smallest: bool = False  # grids after the smallest size centred on its best LR (study/tuning.py)
+    tune_groups: bool = False  # tie each group LR an optimizer declares (GROUP_LRS) to lr and search the ratio
     lrs: dict[str, tuple[float, ...]] = field(default_factory=dict)  # explicit grids per optimizer
     sweeps: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)
     run: tuple[str, ...] = ()  # dotted overrides for every run (data, train budget, vocab, ...)
@@ -88,32 +90,45 @@ def smoke() -> StudySpec:
     """Every stage at toy scale (CI): two sizes, a 2-point grid with one extension and a refinement,
     two seeds, all PTQ schemes, QAT, fits and the report."""
     return StudySpec(
-        name="smoke", sizes=("femto", "nano"), lr_points=2, lr_extensions=1, seeds=(0, 1),
-        per_optimizer=_caps(256), fit_interval="none",
+        name="smoke", sizes=("femto", "nano"), lr_points=2, lr_extensions=1, seeds=(0, 1), lr_from_smallest=True,
+        tune_groups=True, per_optimizer=_caps(256), fit_interval="none",
         run=("model.vocab_size=512", "model.seq_len=32", "train.batch_size=8", "train.steps=30",
              "train.eval_every=10", "train.eval_batches=2", "train.precision=fp32"),
     )
 
 
+# fp32 everywhere (the model and Muon's/Scion's Newton–Schulz): `precision=auto` picks bf16 on CPUs with
+# native bf16 and fp32 elsewhere, and the two gave different best LRs and verdicts; pinned, every x86 CPU
+# runs the same arithmetic up to the BLAS's summation order.
 _CPU_RUN = ("model.vocab_size=1024", "train.batch_size=16", "train.tokens_per_param=20",
-            "train.budget_params=non_embedding", "train.eval_every=25", "train.eval_batches=8")
+            "train.budget_params=non_embedding", "train.eval_every=25", "train.eval_batches=8",
+            "train.precision=fp32")
+_FP32_NS = ("optim.ns_dtype=fp32",)
+
+
+def _cpu_per_optimizer() -> dict[str, tuple[str, ...]]:
+    caps = _caps(512)
+    return {**caps, "muon": _FP32_NS, "scion": _FP32_NS}
 
 
 def cpu() -> StudySpec:
-    """The default: four sizes from 3.1k to 27.8k non-embedding parameters (an 8.9× span, what the
-    scaling fit needs; the absolute size matters less), 20 tokens per non-embedding parameter (Kaplan's N,
-    which the fits count too; with a 1024 vocabulary the embedding would otherwise set the budget), three
-    seeds for every best-LR, Common-Loss and QAT run, and up to four extension rounds (with three, AdamW's
-    search still ended at its grid's edge at three sizes)."""
-    return StudySpec(name="cpu", sizes=("zepto", "atto", "femto", "pico"), lr_extensions=4,
-                     per_optimizer=_caps(512), run=_CPU_RUN)
+    """The default: four sizes with depth (model.py: 2, 2, 3 and 4 blocks, widths 8–24), 1.6k to 27.9k
+    non-embedding parameters (a 17× span, what the scaling fit needs; the embedding is 47 % of the largest),
+    20 tokens per non-embedding parameter (Kaplan's N, which the fits count too; with a 1024 vocabulary the
+    embedding would otherwise set the budget), three seeds for every best-LR, Common-Loss and QAT run. Every
+    step size is searched: the LR at every size, and each group LR an optimizer declares (Muon's AdamW group,
+    Scion's embedding and vectors) tied to it by a ratio that is searched at every size too (study/tuning.py);
+    the sizes after the smallest start from its optimum. Precision is pinned to fp32 (above)."""
+    return StudySpec(name="cpu", sizes=("zepto", "atto", "femto", "pico"), lr_extensions=4, lr_from_smallest=True,
+                     tune_groups=True, per_optimizer=_cpu_per_optimizer(), run=_CPU_RUN)
 
 
 def cpu_thorough() -> StudySpec:
-    """The fuller CPU design: six sizes over a 32× span (3.1k…98k non-embedding), five seeds, a 4-point
+    """The fuller CPU design: six sizes over a 62× span (1.6k…99k non-embedding), five seeds, a 4-point
     initial grid. About ten times the default's compute."""
     return StudySpec(name="cpu-thorough", sizes=("zepto", "atto", "femto", "pico", "nano", "micro"),
-                     lr_points=4, lr_step=2.5, seeds=(0, 1, 2, 3, 4), per_optimizer=_caps(512), run=_CPU_RUN)
+                     lr_points=4, lr_step=2.5, seeds=(0, 1, 2, 3, 4), lr_from_smallest=True, tune_groups=True,
+                     per_optimizer=_cpu_per_optimizer(), run=_CPU_RUN)
 
 
 def gpu() -> StudySpec:

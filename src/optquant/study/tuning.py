@@ -1,0 +1,182 @@
+"""The step-size search of a study: every step size that moves a real share of the parameters is searched.
+
+An optimizer's main LR is searched at every size (study/bracket.py: a log grid, extended until bracketed,
+refined once). Its other step sizes (Muon's AdamW group, Scion's embedding and vector groups: the
+`GROUP_LRS` an optimizer config declares) are tied to it, group lr = ratio × lr, so that the LR search
+moves them too, and with `tune_groups` each ratio is searched by the same rule at every size:
+
+    smallest size   LR search from the default grid → each ratio searched at that best LR, one group after
+                    another → if a ratio moved, the LR searched again around its best at the new ratios
+    other sizes     the same, all sizes at once, every grid (LR and ratios) centred on the smallest size's
+                    result, since optima move little between neighbouring sizes (fewer wasted points)
+
+One pass of coordinate search per size; the ratios start from the authors' values over their default LR
+(e.g. Muon's 3e-3 / 3e-2). `benchmarks/tuning_check.py` checks the result: moving any step size ×3 or ÷3
+around the study's choice must not improve the loss by more than the seeds' noise.
+
+Pure over a `run` callable (stage, {tag: RunConfig} → {tag: summary}), so the rule is tested without
+training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from optquant.config import RunConfig
+from optquant.study.bracket import best_lr, bracket, extensions, refinement, round_lr
+from optquant.study.spec import StudySpec, lr_grid, run_config
+
+Key = tuple[str, str]  # (optimizer, size)
+Runner = Callable[[str, dict[Hashable, RunConfig]], dict[Hashable, dict[str, Any]]]
+
+
+@dataclass
+class Tuning:
+    """One (optimizer, size)'s search: its LR runs at the final ratios, the ratios and their searches."""
+
+    lr_runs: dict[float, dict[str, Any]]  # lr -> first-seed summary, at the final ratios
+    ratios: dict[str, float] = field(default_factory=dict)  # ratio field -> value (the tied groups)
+    ratio_runs: dict[str, dict[float, dict[str, Any]]] = field(default_factory=dict)  # field -> ratio -> summary
+
+
+def loss_of(summary: dict[str, Any]) -> float:
+    value = summary.get("final_val_loss")
+    return math.inf if summary.get("status") != "done" or value is None else float(value)
+
+
+def losses(runs: dict[float, dict[str, Any]]) -> dict[float, float]:
+    return {x: loss_of(s) for x, s in runs.items()}
+
+
+def group_fields(spec: StudySpec, opt: str) -> list[tuple[str, str, str]]:
+    """(label, fixed field, ratio field) of the groups the study ties to lr and searches (none without
+    `tune_groups`)."""
+    cls = type(run_config(spec, spec.sizes[0], opt).optim)
+    return [(label, f, r) for label, (f, r) in getattr(cls, "GROUP_LRS", {}).items()] if spec.tune_groups else []
+
+
+def initial_ratios(spec: StudySpec, opt: str) -> dict[str, float]:
+    """Each searched group's starting ratio: the run config's own if set (> 0), else the fixed value over
+    the default lr (the authors' setting at their default LR)."""
+    optim = run_config(spec, spec.sizes[0], opt).optim
+    default = type(optim)()
+    return {r: getattr(optim, r) or round_lr(getattr(default, f) / default.lr) for _, f, r in group_fields(spec, opt)}
+
+
+def centred(x: float, step: float, points: int) -> list[float]:
+    return [round_lr(x * step ** (i - (points - 1) / 2)) for i in range(points)]
+
+
+def ratio_overrides(ratios: dict[str, float]) -> tuple[str, ...]:
+    return tuple(f"optim.{r}={v!r}" for r, v in sorted(ratios.items()))
+
+
+def search(run: Runner, stage: str, grids: dict[Hashable, list[float]], config: Callable[[Hashable, float], RunConfig],
+           spec: StudySpec) -> dict[Hashable, dict[float, dict[str, Any]]]:
+    """The bracketed 1-D search (study/bracket.py) for many keys at once, a batch of runs per round."""
+    found: dict[Hashable, dict[float, dict]] = {k: {} for k in grids}
+
+    def go(name: str, points: dict[Hashable, list[float]]) -> None:
+        cfgs = {(k, x): config(k, x) for k, xs in points.items() for x in xs if x not in found[k]}
+        if cfgs:
+            for (k, x), summary in run(name, cfgs).items():
+                found[k][x] = summary
+
+    pending = grids
+    for rnd in range(spec.lr_extensions + 1):
+        go(stage if rnd == 0 else f"{stage} extension {rnd}", pending)
+        pending = {k: new for k in grids if (new := extensions(losses(found[k]), spec.lr_step))}
+        if not pending or rnd == spec.lr_extensions:
+            break
+    if spec.lr_refine:
+        go(f"{stage} refinement", {k: [x] for k in grids
+                                   if bracket(losses(found[k])).status in ("bracketed", "diverged")
+                                   and (x := refinement(losses(found[k]))) is not None})
+    return found
+
+
+def coordinate(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict], RunConfig],
+               grids: dict[Key, list[float]], ratios: dict[Key, dict[str, float]]) -> dict[Key, Tuning]:
+    """One pass of coordinate search for every key at once: LR, then each tied group's ratio at the best LR,
+    then the LR again around its best where a ratio moved."""
+    lr_runs = search(run, "fp sweep", grids, lambda k, lr: config(k, lr, ratios[k]), spec)
+    best = {k: best_lr(losses(lr_runs[k])) for k in grids}
+    ratios = {k: dict(v) for k, v in ratios.items()}
+    ratio_runs: dict[Key, dict[str, dict]] = {k: {} for k in grids}
+    start = {k: dict(v) for k, v in ratios.items()}
+    fields = {k: [r for _, _, r in group_fields(spec, k[0])] for k in grids}
+    for i in range(max((len(v) for v in fields.values()), default=0)):
+        keys = {k: fields[k][i] for k in grids if i < len(fields[k]) and best[k] is not None}
+        if not keys:
+            continue
+        found = search(run, "group lr", {k: centred(ratios[k][f], spec.lr_step, 3) for k, f in keys.items()},
+                       lambda k, x, keys=keys: config(k, best[k], {**ratios[k], keys[k]: x}), spec)
+        for k, f in keys.items():
+            ratio_runs[k][f] = found[k]
+            if (new := best_lr(losses(found[k]))) is not None:
+                ratios[k][f] = new
+    moved = {k: centred(best[k], spec.lr_step, spec.lr_points) for k in grids if ratios[k] != start[k]}
+    if moved:
+        again = search(run, "fp sweep", moved, lambda k, lr: config(k, lr, ratios[k]), spec)
+        lr_runs.update(again)
+    return {k: Tuning(lr_runs[k], ratios[k], ratio_runs[k]) for k in grids}
+
+
+def tune(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict], RunConfig]) -> dict[Key, Tuning]:
+    """The search at the smallest size, then at every other size from its result (module docstring)."""
+    first, rest = spec.sizes[0], spec.sizes[1:]
+    keys = [(o, first) for o in spec.optimizers]
+    out = coordinate(run, spec, config, {k: list(lr_grid(spec, k[0])) for k in keys},
+                     {k: initial_ratios(spec, k[0]) for k in keys})
+    if rest:
+        grids, ratios = {}, {}
+        for o in spec.optimizers:
+            src = out[(o, first)]
+            b = best_lr(losses(src.lr_runs))
+            for s in rest:
+                explicit = o in spec.lrs or b is None or not spec.lr_from_smallest
+                grids[(o, s)] = list(lr_grid(spec, o)) if explicit else centred(b, spec.lr_step, spec.lr_points)
+                ratios[(o, s)] = dict(src.ratios)
+        out.update(coordinate(run, spec, config, grids, ratios))
+    return out
+
+
+MIN_SHARE = 0.01  # a group moving at least this share of the parameters needs its step size tuned
+
+
+def step_sizes(cfg: RunConfig, searched: set[str]) -> list[dict[str, Any]]:
+    """Every step size of `cfg`'s optimizers as built: the parameter groups it moves (embeddings, vectors,
+    matrices), their count and share, its base LR, and how it was chosen: "searched" (it is lr), "tied" (a
+    multiple of lr whose ratio field is in `searched`), "tied-fixed" (a multiple of lr at a fixed ratio, e.g. a
+    plugin's), or "fixed" (it does not move with lr). Found by building the optimizers at lr and at 2·lr."""
+    from dataclasses import replace
+
+    from optquant.optim import build_optimizers, split_params
+    from optquant.train import build_model
+
+    model = build_model(cfg)
+    kinds = {id(p): kind for kind, ps in vars(split_params(model)).items() for p in ps}
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    twice = [g for o in build_optimizers(model, replace(cfg.optim, lr=2 * cfg.optim.lr)) for g in o.param_groups]
+    rows: dict[tuple, dict[str, Any]] = {}
+    lr = cfg.optim.lr
+    for g, g2 in zip([g for o in build_optimizers(model, cfg.optim) for g in o.param_groups], twice, strict=True):
+        base, ratio = g["base_lr"], g["base_lr"] / lr
+        group = "+".join(sorted({kinds[id(p)] for p in g["params"]}))
+        if math.isclose(base, lr, rel_tol=1e-9):
+            rule, fld = "searched", None
+        elif math.isclose(g2["base_lr"], 2 * base, rel_tol=1e-9):
+            fld = next((f for f in sorted(searched) if math.isclose(getattr(cfg.optim, f, math.nan), ratio,
+                                                                   rel_tol=1e-9)), None)
+            rule = "tied" if fld else "tied-fixed"
+        else:
+            rule, fld = "fixed", None
+        row = rows.setdefault((group, rule, base), {"group": group, "rule": rule, "lr": base, "ratio": ratio,
+                                                     "field": fld, "params": 0})
+        row["params"] += sum(p.numel() for p in g["params"])
+    for row in rows.values():
+        row["share"] = row["params"] / total
+    return list(rows.values())
