@@ -43,6 +43,15 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     return fast_bf16(device)
 
 
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, glibc's malloc.h
 KEEP_BYTES = 1 << 30
 

@@ -129,8 +129,21 @@ def _header(d: StudyData) -> str:
     return (
         f'<p class="meta">Study directory: <code>{escape(str(d.root))}</code> · runs by kind: {kinds} · '
         f"sizes (parameters): {escape(sizes)} · optimizers: {escape(opts)} · PTQ schemes: "
-        f'{escape(schemes)} · lm-eval tasks: {escape(tasks)}</p>\n<div class="caveat">{escape(CAVEAT)}</div>'
+        f'{escape(schemes)} · lm-eval tasks: {escape(tasks)}</p>\n<p class="meta">{escape(machine_text(d))}</p>\n'
+        f'<div class="caveat">{escape(CAVEAT)}</div>'
     )
+
+
+def machine_text(d: StudyData) -> str:
+    """Where the study ran (study.json's `machine`, written at its last start)."""
+    m = d.machine
+    if not m:
+        return "Machine: not recorded (a study from before optquant recorded it)."
+    commit = (m.get("commit") or "unknown")[:10] + (" (uncommitted changes)" if m.get("dirty") else "")
+    return (f"Machine: {m.get('cpu') or 'unknown CPU'}, {m.get('cores')} cores, native bf16 "
+            f"{'yes' if m.get('native_bf16') else 'no'} · precision {', '.join(m.get('precision') or [])}; "
+            f"Newton–Schulz {', '.join(m.get('newton_schulz') or []) or '–'} · {m.get('workers')} workers × "
+            f"{m.get('threads_per_worker')} thread(s) · torch {m.get('torch')} · optquant commit {commit}")
 
 
 def render_report(study_dir: str | Path) -> Path:
@@ -164,5 +177,5 @@ def report_markdown(study_dir: str | Path) -> str:
     """The headline tables (2, LR status, 3, 3c, 3b, 4, MMR/R_L, correlations, CL, 10) and the claims as markdown."""
     d = load_study(study_dir)
     tables = headline_tables(d)
-    head = f"## optquant study {d.spec.get('name') or d.root.name}\n\n_{CAVEAT}_\n"
+    head = f"## optquant study {d.spec.get('name') or d.root.name}\n\n{machine_text(d)}\n\n_{CAVEAT}_\n"
     return "\n".join([head, *(to_markdown(t) for t in tables)])

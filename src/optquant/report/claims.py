@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
+from optquant.report.design import NOT_TESTABLE, needs_text, untestable
 from optquant.report.load import StudyData, fit_interval, fit_rho4
 from optquant.report.paper import CLAIMS, RHO_RANKING, Claim
 from optquant.report.tables import Table
@@ -343,20 +344,31 @@ def check_claims(d: StudyData) -> dict[str, tuple[Claim, Check]]:
     task = next(iter(d.tasks()), None)
     out = {}
     for c in CLAIMS:
-        out[c.key] = (c, _CHECKS[c.key](d))
+        out[c.key] = (c, _design(d, c.key, _CHECKS[c.key](d)))
         if task is not None and c.key in _ACC_CHECKS:
             acc = Claim(f"{c.key}_acc", f"{c.text} (accuracy drop, the paper's measure)", c.sources)
-            out[acc.key] = (acc, _ptq(d, *_ACC_CHECKS[c.key], task))
+            out[acc.key] = (acc, _design(d, acc.key, _ptq(d, *_ACC_CHECKS[c.key], task)))
     return out
 
 
+def _design(d: StudyData, key: str, check: Check) -> Check:
+    """The check, with its verdict replaced by "not testable with this design: …" where the study lacks what
+    the claim needs (report/design.py); its numbers are still shown."""
+    why = untestable(d, key)
+    return check if why is None or check.verdict.startswith("n/a") else Check(check.how, check.ours, why)
+
+
 def claims_table(d: StudyData) -> Table:
-    rows = tuple((c.text, c.sources, k.how, k.ours, k.verdict) for c, k in check_claims(d).values())
+    rows = tuple((c.text, c.sources, needs_text(c.key), k.how, k.ours, k.verdict)
+                 for c, k in check_claims(d).values())
     caption = (
         "Paper claims from reference/paper.md §1, §6.2, §7.4–7.5, §10, each judged with its p-value or "
-        f"interval: supported, contradicted, or {NOT_RESOLVED} when the data cannot tell. Our models are tiny "
-        "and our damage measure is validation loss, so a supported claim is agreement at this scale, not a "
-        "reproduction of the paper."
+        f"interval: supported, contradicted, or {NOT_RESOLVED} when the data cannot tell, and "
+        f"“{NOT_TESTABLE}” with the reason when the study lacks what the claim needs (the needs column: tuned "
+        "= bracketed LR searches and every step size of ≥ 1 % of the parameters tuned, for every optimizer "
+        "compared; depth = ≥ 2 blocks; identified ρ = ≥ 3 identified ρ_4bit; quiet timing = step times agree "
+        "across seeds within 10 %). Our models are tiny and our damage measure is validation loss, so a "
+        "supported claim is agreement at this scale, not a reproduction of the paper."
     )
-    cols = ("paper claim", "source", "how we check", "ours", "verdict")
+    cols = ("paper claim", "source", "needs", "how we check", "ours", "verdict")
     return Table("claims", "Paper claims vs this study", cols, rows, caption)

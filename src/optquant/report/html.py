@@ -30,7 +30,8 @@ class Section:
 _TEXT_COLUMNS = {"size", "optimizer", "scheme", "metric", "target", "paper", "quantity", "paper claim", "source",
                  "how we check", "ours", "fit notes", "verdict", "status", "reason"}  # left-aligned
 
-_VERDICT_CLASS = {"supported": "yes", "contradicted": "no", "not resolved at this scale": "partly"}
+_VERDICT_CLASS = {"supported": "yes", "contradicted": "no", "not resolved at this scale": "partly",
+                  "not testable with this design": "untestable"}
 
 CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;max-width:1180px;margin:0 auto;
@@ -56,7 +57,7 @@ table.data td.best{font-weight:700;background:#eaf5ea}
 table.paper{background:#fbf7e9}
 table.paper th{background:#f1e9cc}
 table.wrap td{white-space:normal;min-width:6rem;max-width:22rem;vertical-align:top}
-td.yes{background:#dcf0d5}td.no{background:#f6d9d9}td.partly{background:#fbf0c9}td.na{color:#888}
+td.yes{background:#dcf0d5}td.no{background:#f6d9d9}td.partly{background:#fbf0c9}td.untestable{background:#e6e6ee}td.na{color:#888}
 .cap{font-size:12px;color:#555;max-width:60rem;margin:.15rem 0 .6rem}
 .pair .cap{width:0;min-width:100%}
 .missing{color:#6b5310;background:#fdf6dc;border-left:4px solid #e0c36c;padding:.4rem .7rem;font-size:.9rem}
@@ -94,7 +95,7 @@ def table_html(t: Table) -> str:
             if (i, j) in t.bold:
                 names.append("best")
             if t.columns[j] == "verdict":
-                names.append(_VERDICT_CLASS.get(v, "na"))
+                names.append(_VERDICT_CLASS.get(v.split(":")[0], "na"))
             cells.append(f"<td{_cls(' '.join(names))}>{e(v)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     cap = f'<p class="cap">{e(t.caption)}</p>' if t.caption else ""

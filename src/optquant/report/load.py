@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,8 @@ class StudyData:
     correlations: pd.DataFrame | None
     fits: dict | None
     best: dict | None = None  # best.json: "<optimizer>/<size>" -> best_lr, status, reason, ...
+    blocks: dict[str, int] = field(default_factory=dict)  # size -> transformer blocks (study.json, else a run's config)
+    machine: dict = field(default_factory=dict)  # study.json's `machine`: CPU, bf16, precision, threads, commit
 
     # ---------------------------------------------------------------- row selection
     def rows(self, kind: str, metric: str, scheme: str | None = "none", best: bool | None = None) -> pd.DataFrame:
@@ -199,7 +201,21 @@ def load_study(study_dir: str | Path) -> StudyData:
         correlations=_optional(read_parquet, root / "correlations.parquet"),
         fits=_optional(read_json, root / "fits.json"),
         best=_optional(read_json, root / "best.json"),
+        blocks=_blocks(root, sizes_info, results),
+        machine=info.get("machine") or {},
     )
+
+
+def _blocks(root: Path, sizes_info: dict, results: pd.DataFrame) -> dict[str, int]:
+    """Blocks per size: study.json's `n_layer`, or (a study from before it was recorded) the config.json of
+    one of the size's runs."""
+    out = {s: int(v["n_layer"]) for s, v in sizes_info.items() if isinstance(v, dict) and "n_layer" in v}
+    for size, g in results.groupby("size"):
+        if str(size) not in out:
+            cfg = _optional(read_json, root / "runs" / str(g["run_id"].iloc[0]) / "config.json") or {}
+            if isinstance(n := (cfg.get("model") or {}).get("n_layer"), int):
+                out[str(size)] = n
+    return out
 
 
 def _read_results(path: Path) -> pd.DataFrame:

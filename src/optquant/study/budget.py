@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from optquant.budget import DEFAULT_PLAN, PlanConfig, RunBudget, gb, meta_model, run_budget
 from optquant.study.spec import StudySpec, lr_grid, run_config
+from optquant.study.tuning import group_fields
 
 
 @dataclass(frozen=True)
@@ -34,16 +35,22 @@ def stages(spec: StudySpec) -> list[Stage]:
     grid = {(o, s): len(lr_grid(spec, o)) for o, s in pairs}
     ext = {k: spec.lr_extensions + (grid[k] == 1 and spec.lr_extensions > 0) for k in pairs}
     refine = {k: int(spec.lr_refine) for k in pairs}
+    n_groups = {o: len(group_fields(spec, o)) for o in opts}
+    per_search = spec.lr_extensions + int(spec.lr_refine)
+    group = {(o, s): n_groups[o] * (3 + per_search) for o, s in pairs}  # each tied group's ratio search
+    again = {(o, s): (spec.lr_points + per_search) * bool(n_groups[o]) for o, s in pairs}  # LR, if a ratio moved
     seeds = {k: n_seeds - 1 for k in pairs}
     cl = {k: n_seeds for k in pairs}
     qat = {k: n_seeds * len(spec.qat_bits) for k in pairs}
-    fp_runs = sum(grid.values()) + sum(ext.values()) + sum(refine.values()) + sum(seeds.values())
+    fp_runs = sum(grid.values()) + sum(ext.values()) + sum(refine.values()) + sum(seeds.values()) + sum(again.values())
     ptq = sum(cl.values()) * len(spec.ptq_schemes) + fp_runs * len(spec.sweep_ptq_schemes)
     out = [
         Stage("sweeps (smallest size)", sum(sweep.values()), sweep),
         Stage("fp sweep (first seed)", sum(grid.values()), grid),
         Stage(f"fp extensions (≤ {spec.lr_extensions} rounds)", sum(ext.values()), ext),
         Stage("fp refinement (≤ 1)", sum(refine.values()), refine),
+        Stage("group lr searches (tied ratios, ≤ bound)", sum(group.values()), group),
+        Stage("fp sweep again where a ratio moved (≤ bound)", sum(again.values()), again),
         Stage("fp seeds (best LR, other seeds)", sum(seeds.values()), seeds),
         Stage("common loss (from the kept checkpoint)", sum(cl.values()), cl),
         Stage("ptq + analysis (CL models, FP runs)", ptq, {}),

@@ -185,7 +185,7 @@ def _init_worker(threads: int, parent: int | None = None) -> None:
     import optquant.study.jobs  # noqa: F401  every job's imports, while the study is still planning
 
 
-def _threads(workers: int) -> int:
+def threads_per_worker(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
@@ -201,7 +201,7 @@ class WorkerPool:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=get_context("spawn"),
                                              initializer=_init_worker,
-                                             initargs=(_threads(self.workers), os.getpid()))
+                                             initargs=(threads_per_worker(self.workers), os.getpid()))
         return self._pool
 
     def close(self, wait: bool = True) -> None:

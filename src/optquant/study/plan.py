@@ -29,7 +29,7 @@ from optquant.config import RunConfig, to_dict
 from optquant.harness import HarnessConfig, task_manager
 from optquant.runs import read_config, read_metrics, run_dir
 from optquant.study.bracket import bracket
-from optquant.study.executor import Job, WorkerPool, execute
+from optquant.study.executor import Job, WorkerPool, execute, threads_per_worker
 from optquant.study.spec import StudySpec, lr_grid, run_config
 from optquant.study.tuning import loss_of, losses, ratio_overrides, step_sizes, tune
 from optquant.train import HISTORY, history_checkpoint
@@ -240,7 +240,8 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
     with WorkerPool(spec.workers) as pool:  # started by the first batch that needs it
         study = Study(spec, Path(root), on_event, pool)
         study.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(study.root / "study.json", {"spec": asdict(spec), "sizes": _sizes(spec)})
+        atomic_write_json(study.root / "study.json", {"spec": asdict(spec), "sizes": _sizes(spec),
+                                                      "machine": machine(spec)})
         table, tuned = fp_stage(study, sweep_stage(study))
         warn_unconverged(study, table)
         thresholds, cl_paths = cl_stage(study, tuned, table)
@@ -265,6 +266,25 @@ def warn_unconverged(study: Study, table: dict[tuple, dict[str, Any]]) -> list[s
     return messages
 
 
+def machine(spec: StudySpec) -> dict[str, Any]:
+    """Where the study (last) started: the CPU and whether it multiplies bf16 natively, the precision its runs
+    compute in (train.precision and Newton–Schulz, resolved on this CPU), threads per worker, the commit."""
+    import torch
+
+    from optquant.device import cpu_name, fast_bf16, use_bf16
+    from optquant.runs import git_commit
+
+    cpu = torch.device("cpu")
+    runs = {o: run_config(spec, spec.sizes[0], o) for o in spec.optimizers}
+    ns = sorted({"bf16" if use_bf16(c.optim.ns_dtype, cpu) else "fp32" for c in runs.values()
+                 if hasattr(c.optim, "ns_dtype")})
+    train = sorted({f"{c.train.precision} → {'bf16' if use_bf16(c.train.precision, cpu) else 'fp32'}"
+                    for c in runs.values()})
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "native_bf16": fast_bf16(cpu), "precision": train,
+            "newton_schulz": ns, "workers": spec.workers, "threads_per_worker": threads_per_worker(spec.workers),
+            "torch": torch.__version__, **git_commit()}
+
+
 def _sizes(spec: StudySpec) -> dict[str, dict[str, int]]:
     import torch
 
@@ -275,5 +295,6 @@ def _sizes(spec: StudySpec) -> dict[str, dict[str, int]]:
         cfg = run_config(spec, size, spec.optimizers[0], 1e-3, 0)
         with torch.device("meta"):
             model = LM(cfg.model)
-        out[size] = {"n_params": count_params(model), "n_params_non_embedding": count_params(model, False)}
+        out[size] = {"n_params": count_params(model), "n_params_non_embedding": count_params(model, False),
+                     "n_layer": cfg.model.n_layer}
     return out

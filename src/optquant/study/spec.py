@@ -183,8 +183,12 @@ def _known_optimizer(name: str, where: str) -> str:
 
 def estimate_jobs(spec: StudySpec) -> int:
     """Jobs the study will run (for the progress display): the initial grid plus one extension and one
-    refinement per (optimizer, size), its PTQ, and the per-seed best-LR, CL, PTQ and QAT jobs."""
-    grid = sum(len(lr_grid(spec, o)) + 1 + spec.lr_refine for o in spec.optimizers) * len(spec.sizes)
+    refinement per (optimizer, size), the tied groups' ratio grids and the LR grid again, its PTQ, and the
+    per-seed best-LR, CL, PTQ and QAT jobs."""
+    groups = {o: len(getattr(type(optimizer_config(o)), "GROUP_LRS", {})) if spec.tune_groups else 0
+              for o in spec.optimizers}  # each tied group: a 3-point ratio grid, then the LR grid once more
+    grid = sum(len(lr_grid(spec, o)) + 1 + spec.lr_refine + groups[o] * 3 + bool(groups[o]) * spec.lr_points
+               for o in spec.optimizers) * len(spec.sizes)
     sweeps = sum(len(v) for opt in spec.sweeps.values() for v in opt.values())
     per_seed = len(spec.optimizers) * len(spec.sizes) * len(spec.seeds)
     extra_seeds = len(spec.optimizers) * len(spec.sizes) * (len(spec.seeds) - 1)
