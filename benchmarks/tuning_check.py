@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from optquant.config import from_dict, to_dict
-from optquant.runs import run_dir
+from optquant.config import to_dict
+from optquant.runs import read_config, run_dir
 from optquant.study.executor import Job, execute
 
 FACTORS = (3.0, 1 / 3)
@@ -60,7 +60,7 @@ def main() -> None:
     plan, jobs = [], {}
     for (size, opt), g in best[best["size"].isin(sizes)].groupby(["size", "optimizer"]):
         chosen = g[g.seed == seed0].iloc[0]
-        cfg = from_dict(json.loads((root / "runs" / chosen.run_id / "config.json").read_text()))
+        cfg = read_config(root / "runs" / chosen.run_id)
         cfg = replace(cfg, train=replace(cfg.train, keep_history=False))
         noise = 2 * statistics.stdev(g["value"]) if len(g) > 1 else float("nan")
         for label, moved in moves(cfg).items():
