@@ -153,6 +153,16 @@ def test_a_claim_the_design_cannot_decide_says_not_testable(smoke_study):
     assert "AdamW's LR at nano (cap)" in check_claims(replace(d, best=capped))["fp_best"][1].verdict
 
 
+def test_depth_of_a_study_from_before_study_json_recorded_it_comes_from_its_runs(smoke_study, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(smoke_study, old)
+    info = json.loads((old / "study.json").read_text())
+    for v in info["sizes"].values():
+        del v["n_layer"]
+    (old / "study.json").write_text(json.dumps(info))
+    assert load_study(old).blocks == {"femto": 3, "nano": 2}  # from each size's runs' config.json
+
+
 def test_the_tuning_table_shows_each_best_runs_built_step_sizes(smoke_study):
     from optquant.optim import build_optimizers
     from optquant.report.load import fmt_lr

@@ -212,8 +212,9 @@ def _blocks(root: Path, sizes_info: dict, results: pd.DataFrame) -> dict[str, in
     out = {s: int(v["n_layer"]) for s, v in sizes_info.items() if isinstance(v, dict) and "n_layer" in v}
     for size, g in results.groupby("size"):
         if str(size) not in out:
-            cfg = _optional(read_json, root / "runs" / str(g["run_id"].iloc[0]) / "config.json") or {}
-            if isinstance(n := (cfg.get("model") or {}).get("n_layer"), int):
+            record = _optional(read_json, root / "runs" / str(g["run_id"].iloc[0]) / "config.json") or {}
+            cfg = record.get("config") if isinstance(record, dict) else None
+            if isinstance(cfg, dict) and isinstance(n := (cfg.get("model") or {}).get("n_layer"), int):
                 out[str(size)] = n
     return out
 
