@@ -186,7 +186,11 @@ def test_adamw_fused_equals_foreach():
         same_grads([ours, ref], step)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     for a, b, a0 in zip(params(ours), params(ref), start, strict=True):
-        assert (a - b).norm() <= 1e-5 * (a - a0).norm()  # kernels round differently, nothing more
+        # kernels round differently, nothing more: within 1e-5 of the update, or a few ulps of a parameter that
+        # barely moved (the QK scales of ~5.66 move by 4e-3 in 10 steps; one fp32 ulp there is 4.8e-7, which
+        # AVX512's fused kernel and the foreach one differ by)
+        ulps = 4 * torch.finfo(a.dtype).eps * a.norm()
+        assert (a - b).norm() <= 1e-5 * (a - a0).norm() + ulps
 
 
 def newton_schulz5(G: torch.Tensor) -> torch.Tensor:
