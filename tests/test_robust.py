@@ -59,7 +59,7 @@ def _ids(b: int = 3, t: int = 8) -> torch.Tensor:
 def test_penalty_R_L_is_the_studys_R_L():
     model, x = _tiny(), _ids()
     with torch.no_grad():
-        _, rl = penalty_terms(model, model, x, x, bits=4)
+        _, rl = penalty_terms(model, x, x, bits=4)
         fp, q = ptq_pair(model, PTQConfig())  # W4A4 RTN, the study's default scheme
         assert relative_error(fp(x), q(x)) == pytest.approx(rl.item(), rel=1e-5)
     _, summary = propagation(fp, q, [x])  # token norm, measured at the logits
@@ -90,10 +90,10 @@ def test_penalty_gradient_is_the_frozen_noise_surrogates_by_finite_differences()
     model, x = _tiny(torch.float64, arch="llama"), _ids()
     params = list(model.parameters())
     base = [p.detach().clone() for p in params]
-    _, rl = penalty_terms(model, model, x, x, bits=4)  # the real STE quantizer
+    _, rl = penalty_terms(model, x, x, bits=4)  # the real STE quantizer
     grads = torch.autograd.grad(rl, params)
     surrogate = FrozenNoise()
-    _, rl_s = penalty_terms(model, model, x, x, bits=4, quant=surrogate)
+    _, rl_s = penalty_terms(model, x, x, bits=4, quant=surrogate)
     assert rl_s.item() == pytest.approx(rl.item(), rel=1e-12)
     gen = torch.Generator().manual_seed(5)
     for _ in range(3):
@@ -107,7 +107,7 @@ def test_penalty_gradient_is_the_frozen_noise_surrogates_by_finite_differences()
                     for p, p0, d in zip(params, base, v, strict=True):
                         p.copy_(p0 + sign * eps * d)
                     surrogate.replay = 0
-                    fd.append(penalty_terms(model, model, x, x, bits=4, quant=surrogate)[1].item())
+                    fd.append(penalty_terms(model, x, x, bits=4, quant=surrogate)[1].item())
             with torch.no_grad():
                 for p, p0 in zip(params, base, strict=True):
                     p.copy_(p0)

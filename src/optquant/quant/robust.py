@@ -13,8 +13,9 @@ rounding is straight-through (Bengio et al. 2013, arXiv 1308.3432): x̂ = x + (q
 bracket held constant, so the gradient is the exact gradient of that frozen-noise surrogate (what the
 finite-difference test checks), and it flows through both chains (R_L's full derivative). Penalising a
 quantized copy's deviation is in the spirit of Alizadeh et al. 2020 (arXiv 2002.07520), who regularise
-the loss's first-order change under quantization noise; λ·R_L itself is this project's choice. Cost on
-a penalty step: one more forward and backward of the quantized copy (~2× a plain step, see benchmarks/).
+the loss's first-order change under quantization noise; λ·R_L itself is this project's choice. The
+quantized chain stops at the final norm: with the head in FP, ‖W u‖² = uᵀ(WᵀW)u gives R_L from d-wide
+states. Cost on a penalty step: one more forward and backward of the blocks (benchmarks/robust.py).
 
 gain (strength τ ≥ 1), invented here. For a linear layer h ↦ Wh with error Δh, the paper's gain is
 G_lin = (‖MΔH‖²/‖ΔH‖²)/(‖WH‖²/‖H‖²), M = W + ½ε^W (§7.5), so for *any* error direction
@@ -93,15 +94,36 @@ def relative_error(z: Tensor, zq: Tensor) -> Tensor:
     return ((zq - z).square().sum(-1) / z.square().sum(-1)).mean()
 
 
-def penalty_terms(model: nn.Module, run_model: nn.Module, x: Tensor, y: Tensor, bits: int,
+def head_relative_error(W: Tensor, n: Tensor, nq: Tensor) -> Tensor:
+    """relative_error of the logits z = W n, z^q = W n^q (the head stays FP) from the d-wide final hidden
+    states: ‖W u‖² = uᵀ(WᵀW)u, so neither chain's V-wide logits enter the penalty (as propagation.py's
+    readout rows; one d×d Gram per step). Differentiable in W (a tied head passes it to the embedding)."""
+    with torch.autocast(n.device.type, enabled=False):
+        W, n, nq = _wide(W), _wide(n).flatten(0, -2), _wide(nq).flatten(0, -2)
+        G, u = W.T @ W, nq - n
+        return (((u @ G) * u).sum(-1) / ((n @ G) * n).sum(-1)).mean()
+
+
+def final_hidden(model: nn.Module, x: Tensor) -> Tensor:
+    """norm(h_L): the LM's forward up to its head, walked along `model.sublayers()` (the same operations
+    in the same order as LM.forward, so lm_head of it is bitwise the model's logits)."""
+    h = model.embed(x)
+    for sub in model.sublayers():
+        h = sub(h)
+    return model.norm(h)
+
+
+def penalty_terms(model: nn.Module, x: Tensor, y: Tensor, bits: int,
                   quant: Quantizer = ste_quantize) -> tuple[Tensor, Tensor]:
-    """(CE, R_L) on one batch: CE of `run_model` (the model as the step runs it) exactly as lm_loss
-    computes it, and R_L of `model`'s fake-quantized copy against those same logits."""
-    logits = run_model(x)
+    """(CE, R_L) on one batch: CE exactly as lm_loss computes it, and R_L of the fake-quantized copy."""
+    n = final_hidden(model, x)
+    logits = model.lm_head(n)
     ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
     with fake_quantized(model, bits, quant):
-        zq = model(x)
-    return ce, relative_error(logits, zq)
+        nq = final_hidden(model, x)
+    if model.lm_head.bias is not None:  # no Gram shortcut for an affine head
+        return ce, relative_error(logits, model.lm_head(nq))
+    return ce, head_relative_error(model.lm_head.weight, n, nq)
 
 
 def worst_gain(s: Tensor, p: Tensor) -> float:
@@ -197,7 +219,7 @@ class Robust:
         """(objective, CE) on a penalty step; None on any other (the loop then takes its plain path)."""
         if self.cfg.method != "penalty" or not self.active(step):
             return None
-        ce, rl = penalty_terms(self.model, run_model, x, y, self.cfg.bits)
+        ce, rl = penalty_terms(self.model, x, y, self.cfg.bits)  # the model itself: not compiled, no DDP
         return ce + self.value * rl, ce
 
     def end(self, step: int) -> None:
