@@ -12,6 +12,7 @@ bitwise the plain one, and robust runs resume bitwise.
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 
@@ -152,6 +153,19 @@ def test_gain_cap_reaches_its_target_in_closed_form():
     assert g1 == pytest.approx(1 / share, rel=1e-10) and worst_gain(s, s * 0 + share / 8) >= 1
 
 
+def test_a_capped_spectrums_top_singular_value_is_found_in_fp32():
+    """A capped spectrum's top values tie to fp32 rounding; LAPACK's fp32 syevr then fails on some of them
+    (4 of these 20 before gains.top_singular fell back to fp64)."""
+    from optquant.metrics.gains import gram, top_singular
+
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        W = torch.randn(48, 192, generator=g) * torch.logspace(-1, 0.5, 192)
+        H = torch.randn(512, 192, generator=g)
+        cap_gain_(W, H.T @ H, 1.5)
+        assert top_singular(gram(W)) == pytest.approx(torch.linalg.matrix_norm(W.double(), 2).item(), rel=1e-5)
+
+
 def _chain(weights, h0):
     """The FP chain's inputs and W4A4 RTN chain's inputs of every layer of a linear chain."""
     spec = QuantSpec(4)
@@ -231,3 +245,37 @@ def test_robust_runs_resume_bitwise(nano_cfg, tmp_path, method):
     resumed = train(cfg, tmp_path / "killed")
     assert resumed["final_val_loss"] == straight["final_val_loss"] and resumed["robust"] == method
     assert read_metrics(tmp_path / "killed") == read_metrics(tmp_path / "straight")
+
+
+def _robust_frame(cut: float, fp_cost: float, seeds=range(5)) -> pd.DataFrame:
+    """robust.parquet rows for one optimizer, two sizes × seeds: an arm whose CL damage is `cut` × the
+    plain one's and whose final FP loss is `fp_cost` higher, at 1.2× the step time."""
+
+    rows = []
+    for size in ("zepto", "pico"):
+        for seed in seeds:
+            plain = 0.1 + 0.01 * seed + (size == "pico") * 0.05
+            for arm, dmg, fp, step in (("none", plain, 3.0, 1.0), ("penalty:1", cut * plain, 3.0 + fp_cost, 1.2)):
+                base = {"optimizer": "adamw", "size": size, "seed": seed, "arm": arm, "scheme": "w4a4-rtn"}
+                rows += [{**base, "weights": "cl", "metric": "delta_val_loss", "value": dmg},
+                         {**base, "weights": "cl", "metric": "R_L", "value": 2 * dmg},
+                         {**base, "weights": "final", "metric": "delta_val_loss", "value": dmg},
+                         {**base, "weights": "final", "metric": "val_loss_fp", "value": fp + 1e-3 * seed},
+                         {**base, "weights": "train", "scheme": "none", "metric": "mean_step_seconds", "value": step}]
+    return pd.DataFrame(rows)
+
+
+def test_robustness_table_pairs_units_and_states_the_verdict(tmp_path):
+    from optquant.report.robust import fig_pareto, robustness_table, verdict
+
+    table, cells = robustness_table(_robust_frame(cut=0.6, fp_cost=0.0), "w4a4-rtn")
+    (c,) = cells
+    assert c["test"].n == 10 and c["change"] == pytest.approx(-40.0) and c["cost"] == pytest.approx(1.2)
+    assert c["test_holm"] == pytest.approx(2 / 2**10) and c["rl"] == pytest.approx(-40.0)
+    assert "penalty:1: every optimizer" in verdict(cells) and "met by penalty:1" in verdict(cells)
+    assert table.rows[0][:3] == ("adamw", "penalty:1", "10") and table.rows[0][4] == "-40.0 %"
+    _, cells = robustness_table(_robust_frame(cut=0.6, fp_cost=0.05), "w4a4-rtn")  # FP loss pays for it
+    assert "penalty:1: no optimizer" in verdict(cells) and "not met" in verdict(cells)
+    _, cells = robustness_table(_robust_frame(cut=1.0, fp_cost=0.0), "w4a4-rtn")  # no effect at all
+    assert cells[0]["test"].p == 1.0 and "no optimizer" in verdict(cells)
+    assert fig_pareto(_robust_frame(0.6, 0.0), "w4a4-rtn", tmp_path).src == "figures/robust_pareto.png"

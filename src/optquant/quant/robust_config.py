@@ -47,3 +47,14 @@ class RobustConfig:
             raise OptquantError(f"robust.strength={v}: late QAT's fraction of the steps must be in (0, 1]")
         if not 2 <= self.bits <= 8:
             raise OptquantError(f"robust.bits={self.bits}: must be in 2..8")
+
+
+def entry_overrides(entry: str) -> tuple[str, ...]:
+    """A study's robust-arm entry `method[:strength[:every]]` (e.g. `penalty:0.3:4`) as run overrides."""
+    parts = entry.split(":")
+    method, strength, every = (*parts, "", "")[:3]
+    if len(parts) > 3 or method not in ROBUST_METHODS[1:]:
+        raise OptquantError(f"robust={entry!r}: expected method[:strength[:every]] with method one of "
+                            f"{', '.join(ROBUST_METHODS[1:])}")
+    return (f"robust.method={method}", *((f"robust.strength={strength}",) if strength else ()),
+            *((f"robust.every={every}",) if every else ()))
