@@ -233,6 +233,10 @@ def test_late_qat_is_a_plain_run_resumed_with_quest_on_at_the_switch(nano_cfg, t
     a, b = _weights(tmp_path / "late"), _weights(tmp_path / "switched")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert read_metrics(tmp_path / "late") == read_metrics(tmp_path / "switched")
+    short = apply_overrides(nano_cfg, ["train.steps=10"])  # fraction 1: QuEST from the first step, as qat.method
+    whole = train(apply_overrides(short, ["robust.method=late-qat", "robust.strength=1"]), tmp_path / "whole")
+    qat = train(apply_overrides(short, ["qat.method=quest"]), tmp_path / "qat")
+    assert whole["final_val_loss"] == qat["final_val_loss"]
 
 
 @pytest.mark.parametrize("method", ["penalty:0.5", "gain:2", "late-qat:0.3"])

@@ -32,15 +32,16 @@ partly outside W's row space) is unreachable: the spectrum is then made flat, th
 one input Gram per distinct linear input during the forward, one SVD per linear after the step.
 
 late-qat (strength f): QuEST W4A4 (qat.py; Panferov et al. 2025, arXiv 2502.05003) on every linear,
-the head included, for the last ⌈f·steps⌉ steps: at step s = steps − round(f·steps) `prepare_qat_`
+the head included, for the last round(f·steps) steps: at step s = steps − round(f·steps) `prepare_qat_`
 swaps the layers in place, keeping their Parameters, so the optimizers and their state carry on. ParetoQ
 (Liu et al. 2025, arXiv 2502.02631) finds most of the budget in FP and the last ~10 % in QAT close to
 best. Evaluations after s measure the quantized model, as a QAT run's do. Cost: a QuEST step from s on.
 
 Nothing here keeps state across steps: each decision follows from the step number and the weights, so a
 checkpoint needs nothing new and a resumed run is bitwise the straight one. Left out on purpose: the
-penalty's Σ_ℓ A_ℓ variant (four evaluations per module instead of two forwards), penalty and gain under
-torchrun (the penalty's second forward bypasses DDP), combining methods.
+penalty's Σ_ℓ A_ℓ variant (four evaluations per module instead of two forwards); penalty and gain under
+torchrun (the penalty's forwards bypass DDP, the gain's Grams would need an all-reduce), and late QAT under
+torch.compile or torchrun (it should work, as the Parameters stay, but no test runs it); combining methods.
 """
 
 from __future__ import annotations
@@ -187,9 +188,6 @@ class InputGrams:
         for h in self.handles:
             h.remove()
         self.handles, self._last = [], (None, None)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            for g in self.grams.values():  # every rank must cap alike
-                torch.distributed.all_reduce(g)
         return self.grams
 
 
