@@ -2,7 +2,8 @@
 
 Overrides are dotted paths checked against field types (`optim.lr=3e-3`, `model.n_layer=4`).
 `optim.name=muon` swaps the optimizer config for that optimizer's defaults (applied before the other
-`optim.*` overrides); `qat.method=quest` creates a QAT section; `qat=none` removes it. A TOML file is the
+`optim.*` overrides); `qat.method=quest` creates a QAT section; `qat=none` removes it; `robust.method=penalty`
+(quant/robust_config.py) switches on a quantization-robust training method. A TOML file is the
 same thing written as tables (`[optim] name = "muon"`), plus an optional top-level `preset`.
 No YAML, no exec: every value is parsed by the type of the field it sets.
 """
@@ -29,6 +30,7 @@ from optquant.model import MODEL_PRESETS, ModelConfig, model_config
 from optquant.optim import OPTIMIZERS, AdamWConfig, optimizer_config, optimizer_config_class
 from optquant.optim.plugin import PluginConfig, safe_name
 from optquant.quant.qat_config import QATConfig
+from optquant.quant.robust_config import RobustConfig
 from optquant.tracking import LogConfig
 
 
@@ -66,6 +68,7 @@ class RunConfig:
     optim: Any = field(default_factory=AdamWConfig)  # one of the OPTIMIZERS config classes
     train: TrainConfig = field(default_factory=TrainConfig)
     qat: QATConfig | None = None  # quantization-aware training from scratch when set
+    robust: RobustConfig = field(default_factory=RobustConfig)  # method "none": not part of the hash
     seed: int = 0
     log: LogConfig = field(default_factory=LogConfig)  # experiment tracking; not part of the config hash
     preset: str = ""  # the size preset it was built from (a study's size): a label, not part of the hash
@@ -93,11 +96,14 @@ def run_preset(name: str) -> RunConfig:
 
 def config_hash(cfg: Any) -> str:
     """The run id's hash. Left out: `log` (where a run is logged), `preset` (a label) and `train.compile`
-    (how it executes) are not which run it is, and run ids from before those settings existed stay valid."""
+    (how it executes) are not which run it is, and run ids from before those settings existed stay valid;
+    so does `robust` with method "none" (the plain run, as before the section existed)."""
     data = to_dict(cfg)
     if isinstance(cfg, RunConfig):
         data.pop("log", None)
         data.pop("preset", None)
+        if cfg.robust.method == "none":
+            data.pop("robust", None)
     if isinstance(data.get("train"), dict):
         data["train"].pop("compile", None)
     return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
@@ -174,6 +180,7 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "seq_len": (2, math.inf, True, False),
     "vocab_size": (257, 2**31 - 1, True, True),
     "start_preconditioning_step": (-1, math.inf, True, False),
+    "robust.every": _ONE_UP,
 }
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
@@ -273,6 +280,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         cfg.model.validate()
     except ValueError as e:
         raise OptquantError(str(e)) from None
+    cfg.robust.check()
+    if cfg.robust.method != "none" and cfg.qat is not None:
+        raise OptquantError(f"robust.method={cfg.robust.method} trains a plain model: unset qat (qat=none)")
     return cfg
 
 

@@ -9,6 +9,8 @@ evaluation (`keep_history`); a Common Loss checkpoint (the first evaluation at o
 `train.cl_threshold`, with fine evaluations every `cl_eval_every` steps from `cl_eval_from` on, so the
 crossing is found to the step); and divergence recorded (status, step, reason) rather than a crash: a
 NaN/inf loss, or a loss above `train.diverge_factor` × ln(vocab_size), the loss of a uniform guess.
+`robust.method` (quant/robust.py) adds a quantization-robust method through three calls: before the
+step, in the loss, after the optimizer step; "none" leaves the loop as it was.
 Distributed data parallel is used when launched under torchrun (WORLD_SIZE > 1).
 """
 
@@ -114,6 +116,7 @@ class _Loop:
     bf16: bool  # the steps' autocast
     bound: float  # a loss above it has diverged (train.diverge_factor × ln vocab; 0 = off)
     ckpt: Path  # the resumable checkpoint
+    robust: Any = None  # quant.robust.Robust for a robust.method other than "none"
 
 
 def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None = None) -> dict[str, Any]:
@@ -135,12 +138,16 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     while state["step"] < steps:
         step, t0 = state["step"], time.perf_counter()
         mult = lr_multiplier(step, steps, tc)
-        loss = _forward_backward(r, mult)
+        if r.robust is not None:
+            r.robust.begin(step)
+        loss = _forward_backward(r, mult, step)
         if (reason := divergence("train loss", loss, r.bound)) is not None:
             ended = (step, reason)
             break
         for opt in r.optimizers:
             opt.step()
+        if r.robust is not None:
+            r.robust.end(step)
         for opt in r.optimizers:
             opt.zero_grad(set_to_none=True)
         state["train_time"] += time.perf_counter() - t0
@@ -188,9 +195,14 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
     val = [(x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]) for x, y in
            fixed_batches(data.val, tc.eval_batches, val_batch, cfg.model.seq_len, seed=cfg.seed + 12345)]
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + ctx.rank)
+    steps, robust = total_steps(cfg, model), None
+    if cfg.robust.method != "none":
+        from optquant.quant.robust import Robust
+
+        robust = Robust(cfg.robust, model, steps, ctx.world_size)
     return _Loop(cfg, run_dir, ctx, model, ddp_model, run_model, eval_model, optimizers, data.train, val, gen,
-                 tracker, total_steps(cfg, model), use_bf16(tc.precision, ctx.device),
-                 tc.diverge_factor * math.log(cfg.model.vocab_size), run_dir / "checkpoint.safetensors")
+                 tracker, steps, use_bf16(tc.precision, ctx.device),
+                 tc.diverge_factor * math.log(cfg.model.vocab_size), run_dir / "checkpoint.safetensors", robust)
 
 
 def _micro(cfg: RunConfig, ctx: dist.Context) -> int:
@@ -214,9 +226,9 @@ def _resume(r: _Loop) -> dict[str, Any]:
     return saved["loop"]
 
 
-def _forward_backward(r: _Loop, mult: float) -> float:
+def _forward_backward(r: _Loop, mult: float, step: int) -> float:
     """Set the step's lr; one optimizer step's gradients over grad_accum micro-batches; returns the mean
-    loss over ranks."""
+    loss over ranks (the cross-entropy: a robust penalty is in the gradients, not in the loss reported)."""
     for opt in r.optimizers:
         for group in opt.param_groups:
             group["lr"] = group["base_lr"] * mult
@@ -225,9 +237,10 @@ def _forward_backward(r: _Loop, mult: float) -> float:
     for i in range(accum):
         x, y = get_batch(r.tokens, micro, cfg.model.seq_len, r.gen)
         with r.ctx.no_sync(r.ddp_model, last=i == accum - 1), autocast(device, r.bf16):
-            loss = lm_loss(r.run_model, x.to(device), y.to(device)) / accum
+            penalized = None if r.robust is None else r.robust.loss(r.run_model, x.to(device), y.to(device), step)
+            loss = (lm_loss(r.run_model, x.to(device), y.to(device)) if penalized is None else penalized[0]) / accum
         loss.backward()
-        loss_sum += loss.item()
+        loss_sum += (loss if penalized is None else penalized[1] / accum).item()  # the CE: what runs compare
     return r.ctx.mean(loss_sum)
 
 
@@ -314,6 +327,8 @@ def _summarise(r: _Loop, state: dict, ended: tuple[int, str] | None) -> dict[str
         "total_steps": r.steps, "bf16": r.bf16, "tokens_per_step": cfg.train.batch_size * cfg.model.seq_len,
     }
     summary["tokens_per_s"] = summary["tokens_per_step"] / summary["mean_step_seconds"]
+    if r.robust is not None:
+        summary["robust"] = r.robust.label
     return summary
 
 

@@ -23,7 +23,9 @@ from optquant.report.diagnostics import cl_table, correlation_table, cost_table,
 from optquant.report.fits import fit_diagnostics_table, table10, table10_joint
 from optquant.report.html import Section, page
 from optquant.report.load import StudyData, fmt_count, load_study
+from optquant.report.robust import robust_section
 from optquant.report.tables import (
+    Table,
     outlier_table,
     paper_table,
     paper_values_table,
@@ -155,7 +157,8 @@ def render_report(study_dir: str | Path) -> Path:
     for stale in fig_dir.glob("*.png"):  # a rebuilt report must not show figures of an earlier build
         stale.unlink()
     title = f"optquant report — {d.spec.get('name') or d.root.name}"
-    sections = [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir), cost_section(d.root)]
+    sections = [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir),
+                robust_section(d.root, fig_dir), cost_section(d.root)]
     text = page(title, _header(d), sections, d.spec)
     path = out / "index.html"
     tmp = path.with_suffix(".html.tmp")
@@ -177,5 +180,7 @@ def report_markdown(study_dir: str | Path) -> str:
     """The headline tables (2, LR status, 3, 3c, 3b, 4, MMR/R_L, correlations, CL, 10) and the claims as markdown."""
     d = load_study(study_dir)
     tables = headline_tables(d)
+    if (d.root / "robust.parquet").is_file():  # issue 23's Robustness table, when the study ran the arm
+        tables += [b for b in robust_section(d.root, d.root / "report" / "figures").blocks if isinstance(b, Table)]
     head = f"## optquant study {d.spec.get('name') or d.root.name}\n\n{machine_text(d)}\n\n_{CAVEAT}_\n"
     return "\n".join([head, *(to_markdown(t) for t in tables)])

@@ -201,7 +201,7 @@ def ptq_stage(study: Study, cl_paths: dict[tuple, Path], table: dict) -> dict[st
     the sweep schemes, outliers and ABC on the final model of every finished FP run (val loss only), for
     correlations within each size."""
     spec = study.spec
-    mc = 0 if spec.eval.tasks else 200 if spec.name != "smoke" else 20
+    mc = mc_items(spec)
     jobs = [ptq_job(path, scheme, "cl", mc, spec.eval) for path in cl_paths.values() for scheme in spec.ptq_schemes]
     finished = [study.runs / s["run_id"] for row in table.values() for sums in row["lrs"].values() for s in sums
                 if s.get("status") == "done"]
@@ -209,6 +209,11 @@ def ptq_stage(study: Study, cl_paths: dict[tuple, Path], table: dict) -> dict[st
     if not spec.sweep_ptq_schemes:
         jobs += [Job("outliers", f"{path.name}/outliers", {"run_dir": str(path)}) for path in finished]
     return study.run("ptq + analysis", jobs)
+
+
+def mc_items(spec: StudySpec) -> int:
+    """Items of the built-in multiple-choice task per CL model (none when lm-eval tasks score them)."""
+    return 0 if spec.eval.tasks else 200 if spec.name != "smoke" else 20
 
 
 def ptq_job(path: Path, scheme: str, weights: str, mc_items: int, harness: HarnessConfig | None = None) -> Job:
@@ -230,6 +235,35 @@ def qat_stage(study: Study, tuned: dict, table: dict) -> dict[str, tuple[str, di
     return {run_id: (size, results[run_id]) for run_id, (size, _) in cfgs.items()}
 
 
+def robust_stage(study: Study, tuned: dict, table: dict, thresholds: dict, cl_paths: dict) -> None:
+    """The robust arm (study/robust.py): each best-LR run of every seed again with each `robust` entry, with
+    the size's CL threshold set; every PTQ scheme on their CL models, the first on their final models and
+    the plain runs' (the plain CL models' PTQ is the PTQ stage's, read back). Writes robust.parquet."""
+    from optquant.quant.robust_config import entry_overrides
+    from optquant.study.robust import robust_rows, write_robust
+
+    spec, plain, cfgs = study.spec, {}, {}
+    for (opt, size), row in table.items():
+        runs = [study.runs / s["run_id"] for s in row["lrs"].get(row["best"], []) if s.get("status") == "done"]
+        for source in runs if size in thresholds else []:
+            seed, threshold = read_config(source).seed, thresholds[size] * (1 + CL_SLACK)
+            plain[(opt, size, seed, "none")] = source
+            cl = (f"train.cl_threshold={threshold!r}", f"train.cl_eval_every={spec.cl_eval_every}",
+                  f"train.cl_eval_from={last_eval_before(read_metrics(source), threshold)}")
+            for entry in spec.robust:
+                cfgs[(opt, size, seed, entry)] = run_config(spec, size, opt, row["best"], seed,
+                                                            (*tuned[opt], *entry_overrides(entry), *cl))
+    summaries = study.run("robust", train_jobs(study, list(cfgs.values())))
+    runs = {key: run_dir(study.runs, cfg) for key, cfg in cfgs.items()}
+    cl_models = {key: p for key, p in runs.items() if summaries[p.name].get("cl_step") is not None}
+    cl_models |= {(*key, "none"): p for key, p in cl_paths.items() if (*key, "none") in plain}
+    finals = {**plain, **{key: p for key, p in runs.items() if summaries[p.name].get("status") == "done"}}
+    first = spec.ptq_schemes[0]
+    jobs = [ptq_job(p, s, "cl", mc_items(spec), spec.eval) for p in cl_models.values() for s in spec.ptq_schemes]
+    results = study.run("robust ptq", jobs + [ptq_job(p, first, "final", 0) for p in finals.values()])
+    write_robust(study.root, robust_rows(spec, cl_models, finals, {**plain, **runs}, {**summaries, **results}))
+
+
 def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Path:
     """Run (or resume) the whole study in `root`; returns the report's path."""
     from optquant.report import render_report
@@ -247,6 +281,8 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
         thresholds, cl_paths = cl_stage(study, tuned, table)
         ptq_stage(study, cl_paths, table)
         qat = qat_stage(study, tuned, table) if spec.qat_bits else {}
+        if spec.robust:
+            robust_stage(study, tuned, table, thresholds, cl_paths)
         prune_history(study)  # QAT runs keep theirs too: their config must equal their FP twin's but for qat
         write_results(study, table, thresholds, cl_paths, qat)
     study.emit(event="stage", stage="report", jobs=0)

@@ -14,7 +14,9 @@ hyperparameters at the smallest size (e.g. `{"muon": {"optim.momentum": (0.9, 0.
 value of each hyperparameter is kept for the next one and for every size. `eval` names lm-eval tasks
 (optquant.harness, needs optquant[eval] and the task data offline) that score the Common-Loss models, FP and
 quantized, instead of the built-in multiple-choice task: `eval.tasks=piqa,hellaswag,arc_easy`, or a local
-task with `eval.include_path=DIR` (a folder of task YAMLs).
+task with `eval.include_path=DIR` (a folder of task YAMLs). `robust` lists quantization-robust training
+methods, `method[:strength[:every]]` each (`robust=penalty:0.3,gain:4,late-qat:0.2`): every best-LR run is
+repeated with each and measured at the Common Loss like the plain runs (study/robust.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from optquant.config import RunConfig, apply_overrides, parse_value, run_preset,
 from optquant.errors import OptquantError
 from optquant.harness import HarnessConfig, check_harness
 from optquant.optim import OPTIMIZERS, is_optimizer, optimizer_config
+from optquant.quant.robust_config import entry_overrides
 from optquant.study.bracket import round_lr
 
 PAPER_PTQ_SCHEMES = ("w4a4-rtn", "w4a4-gptq", "w4a4-rtn-had", "w4a4-gptq-had")
@@ -56,6 +59,7 @@ class StudySpec:
     executor: Literal["local", "slurm", "submitit-local"] = "local"
     fit_interval: Literal["bootstrap", "loo", "none"] = "bootstrap"  # scaling-fit uncertainty
     eval: HarnessConfig = field(default_factory=HarnessConfig)  # lm-eval tasks instead of the built-in one
+    robust: tuple[str, ...] = ()  # the robust arm's entries, method[:strength[:every]]; () = none
 
 
 def run_config(spec: StudySpec, size: str, opt: str, lr: float | None = None, seed: int = 0,
@@ -170,6 +174,8 @@ def apply_study_overrides(spec: StudySpec, overrides: list[str]) -> StudySpec:
         else:
             spec = set_field(spec, key.split("."), value, key)
     spec = replace(spec, eval=check_harness(spec.eval))
+    for entry in spec.robust:
+        entry_overrides(entry)  # a bad entry fails here, before anything trains
     for opt in spec.optimizers:
         _known_optimizer(opt, "optimizers")
     return spec
@@ -192,5 +198,6 @@ def estimate_jobs(spec: StudySpec) -> int:
     sweeps = sum(len(v) for opt in spec.sweeps.values() for v in opt.values())
     per_seed = len(spec.optimizers) * len(spec.sizes) * len(spec.seeds)
     extra_seeds = len(spec.optimizers) * len(spec.sizes) * (len(spec.seeds) - 1)
+    robust = per_seed * len(spec.robust) * (2 + len(spec.ptq_schemes))  # run, CL PTQ, final PTQ
     return (sweeps + (grid + extra_seeds) * (1 + len(spec.sweep_ptq_schemes))
-            + per_seed * (1 + len(spec.ptq_schemes) + len(spec.qat_bits)))
+            + per_seed * (1 + len(spec.ptq_schemes) + len(spec.qat_bits)) + robust)

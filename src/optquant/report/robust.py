@@ -1,0 +1,150 @@
+"""The Robustness section (issue 23), from robust.parquet (study/robust.py): does a robust method cut PTQ damage?
+
+Per optimizer × robust arm, units are the (size, seed) pairs where both the arm's run and the plain run
+have the number; each cell is the paired mean difference arm − plain with its bootstrap 95 % interval and
+the exact sign-flip p (optquant.stats), Holm-corrected over every cell of its column. Damage is Δ val loss
+(quantized − FP) at the Common Loss, so the FP loss is equal by construction (both models are the first
+to reach the size's threshold); the FP cost shows as the final model's FP val loss and the CL step. The
+training cost is the ratio of mean step times (wall clock in the study's workers; benchmarks/robust.py
+measures it side by side). The verdict: an arm cuts damage significantly at no significant FP cost for
+an optimizer when its damage p_Holm < α with a negative mean and its final-FP-loss difference is not
+significantly positive. The figure is the Pareto view: final-model damage against final FP loss.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from optquant.files import read_parquet
+from optquant.report.figures import Plot, grid, missing, save
+from optquant.report.html import Section
+from optquant.report.tables import Table, not_run
+from optquant.stats import ALPHA, holm, paired_test
+
+ROBUST_FILE = "robust.parquet"  # study/robust.py writes it (the report does not import the study)
+GOAL = (-30.0, 1.3)  # the issue's aim: ≥ 30 % less damage at ≤ 1.3× the training cost
+
+
+def _series(df: pd.DataFrame, arm: str, weights: str, scheme: str, metric: str, opt: str) -> pd.Series:
+    m = df[(df["arm"] == arm) & (df["weights"] == weights) & (df["scheme"] == scheme) & (df["metric"] == metric)
+           & (df["optimizer"] == opt)]
+    return pd.Series(m["value"].to_numpy(float), index=pd.MultiIndex.from_arrays([m["size"], m["seed"]]))
+
+
+def _cells(df: pd.DataFrame, scheme: str) -> list[dict]:
+    """One dict per (optimizer, arm) with the paired tests and ratios of its row."""
+    out = []
+    for opt in sorted(df["optimizer"].unique()):
+        for arm in sorted(a for a in df["arm"].unique() if a != "none"):
+            def get(arm_: str, w: str, sc: str, m: str, opt: str = opt) -> pd.Series:
+                return _series(df, arm_, w, sc, m, opt)
+
+            dmg, base = get(arm, "cl", scheme, "delta_val_loss"), get("none", "cl", scheme, "delta_val_loss")
+            both = base.index.intersection(dmg.index)
+            fp = paired_test(get(arm, "final", scheme, "val_loss_fp"), get("none", "final", scheme, "val_loss_fp"))
+            steps = get(arm, "train", "none", "mean_step_seconds") / get("none", "train", "none", "mean_step_seconds")
+            rl = get(arm, "cl", scheme, "R_L") / get("none", "cl", scheme, "R_L")
+            plain_mean = float(base[both].mean()) if len(both) else math.nan
+            out.append({"opt": opt, "arm": arm, "test": paired_test(dmg, base), "fp": fp,
+                        "change": 100 * (float(dmg[both].mean()) / plain_mean - 1) if plain_mean > 0 else math.nan,
+                        "cost": float(steps.dropna().mean()), "rl": 100 * (float(rl.dropna().mean()) - 1),
+                        "reached": f"{len(dmg)}/{len(get(arm, 'train', 'none', 'mean_step_seconds'))}"})
+    for key in ("test", "fp"):
+        for c, p in zip(out, holm([c[key].p for c in out]) if out else [], strict=True):
+            c[f"{key}_holm"] = float(p)
+    return out
+
+
+def _fmt(x: float, digits: int = 4, signed: bool = True) -> str:
+    return "–" if not math.isfinite(x) else f"{x:{'+' if signed else ''}.{digits}f}"
+
+
+def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
+    cells = _cells(df, scheme)
+    cols = ("optimizer", "method", "n", "Δ damage (arm − plain) [95 % CI]", "change", "p", "p_Holm",
+            "Δ final FP loss [95 % CI]", "p_Holm FP", "step time ×", "R_L change", "CL reached")
+    rows = tuple((c["opt"], c["arm"], str(c["test"].n),
+                  f"{_fmt(c['test'].mean_diff)} [{_fmt(c['test'].lo)}, {_fmt(c['test'].hi)}]",
+                  f"{_fmt(c['change'], 1)} %", f"{c['test'].p:.3g}", f"{c['test_holm']:.3g}",
+                  f"{_fmt(c['fp'].mean_diff)} [{_fmt(c['fp'].lo)}, {_fmt(c['fp'].hi)}]", f"{c['fp_holm']:.3g}",
+                  f"{_fmt(c['cost'], 2, False)}×", f"{_fmt(c['rl'], 1)} %", c["reached"]) for c in cells)
+    caption = (f"{ROBUST_FILE}: Δ val loss under {scheme} at the Common Loss, paired over (size, seed) with the same "
+               f"optimizer's plain best-LR run; exact sign-flip p, Holm over the {len(cells)} cells of each column "
+               "(α = 0.05); the smallest attainable p is 2/2ⁿ. Step time ×: mean ratio of mean step seconds.")
+    return Table("robust", f"Robustness: change in PTQ damage ({scheme})", cols, rows, caption), cells
+
+
+def verdict(cells: list[dict]) -> str:
+    """Which arm, if any, cuts damage significantly at no significant FP cost, and whether the goal is met."""
+    if not cells:
+        return "no robust arm ran"
+    good = {c["arm"]: [] for c in cells}
+    goal = {c["arm"]: True for c in cells}
+    for c in cells:
+        cut = c["test_holm"] < ALPHA and c["test"].mean_diff < 0
+        fp_ok = not (c["fp_holm"] < ALPHA and c["fp"].mean_diff > 0)
+        if cut and fp_ok:
+            good[c["arm"]].append(c["opt"])
+        goal[c["arm"]] &= cut and fp_ok and c["change"] <= GOAL[0] and c["cost"] <= GOAL[1]
+    n_opt = len({c["opt"] for c in cells})
+    parts = [f"{arm}: {'every optimizer' if len(o) == n_opt else ', '.join(o) if o else 'no optimizer'}"
+             for arm, o in good.items()]
+    met = [arm for arm, ok in goal.items() if ok]
+    return ("Significant damage cut at no significant FP cost — " + "; ".join(parts) + ". Goal (≥ 30 % less "
+            f"damage at ≤ 1.3× cost for every optimizer): {'met by ' + ', '.join(met) if met else 'not met'}.")
+
+
+def scheme_table(df: pd.DataFrame, schemes: list[str]) -> Table:
+    per = {s: {(c["opt"], c["arm"]): c for c in _cells(df, s)} for s in schemes}
+    keys = list(per[schemes[0]])
+    def cell(c: dict | None) -> str:
+        return "–" if c is None else f"{_fmt(c['change'], 1)} % (p_Holm {c['test_holm']:.2g})"
+
+    rows = tuple((opt, arm, *(cell(per[s].get((opt, arm))) for s in schemes)) for opt, arm in keys)
+    return Table("robust-schemes", "Robustness per PTQ scheme: change in damage at the Common Loss",
+                 ("optimizer", "method", *schemes), rows, "Holm within each scheme's column.")
+
+
+def fig_pareto(df: pd.DataFrame, scheme: str, out: Path) -> Plot:
+    title = "Robustness — PTQ damage against FP loss (final models)"
+    fin = df[(df["weights"] == "final") & (df["scheme"] == scheme)]
+    if fin.empty:
+        return missing("robust-pareto", title, "no final-model rows in robust.parquet")
+    wide = fin.pivot_table(index=["optimizer", "arm", "size", "seed"], columns="metric", values="value").reset_index()
+    opts, arms = sorted(wide["optimizer"].unique()), sorted(wide["arm"].unique())
+    fig, axes = grid(len(opts), w=3.6, h=2.9)
+    markers = dict(zip(arms, "o^sDvP*X", strict=False))
+    for ax, opt in zip(axes, opts, strict=False):
+        for i, arm in enumerate(arms):
+            g = wide[(wide["optimizer"] == opt) & (wide["arm"] == arm)]
+            ax.scatter(g["val_loss_fp"], g["delta_val_loss"], s=14, marker=markers[arm], color=f"C{i}", label=arm)
+        ax.set_title(opt, fontsize=9)
+        ax.set_xlabel("final FP val loss")
+        ax.set_ylabel(f"Δ val loss ({scheme})")
+    axes[0].legend(fontsize=7)
+    caption = (f"{ROBUST_FILE}: each point a final model (size, seed); lower-left is better. The plain runs are arm "
+               f"'none'. {int(np.isfinite(wide.get('delta_val_loss', pd.Series(dtype=float))).sum())} models.")
+    return Plot("robust-pareto", title, save(fig, out, "robust_pareto"), caption)
+
+
+def robust_section(root: Path, fig_dir: Path) -> Section:
+    intro = ("Each optimizer's best-LR runs again with a quantization-robust training method on "
+             "(quant/robust.py), measured like the plain runs at the Common Loss. A late-QAT run is the plain "
+             "run until its switch step, so where it reaches the Common Loss before the switch its CL model is "
+             "the plain one (a difference of exactly 0); its final model shows what QAT changed.")
+    path = Path(root) / ROBUST_FILE
+    if not path.is_file():
+        return Section("robust", "Robust training", intro,
+                       (not_run("robust", "Robustness", "the study has no robust arm (robust=...)"),))
+    df = read_parquet(path)
+    schemes = list(dict.fromkeys(df.loc[df["weights"] == "cl", "scheme"]))
+    if not schemes:
+        return Section("robust", "Robust training", intro, (not_run("robust", "Robustness", "no CL rows"),))
+    table, cells = robustness_table(df, schemes[0])
+    table = Table(table.key, table.title, table.columns, table.rows, f"{table.caption} Verdict: {verdict(cells)}")
+    return Section("robust", "Robust training", intro,
+                   (table, scheme_table(df, schemes), fig_pareto(df, schemes[0], fig_dir)))
