@@ -252,7 +252,7 @@ def robust_stage(study: Study, tuned: dict, table: dict, thresholds: dict, cl_pa
                   f"train.cl_eval_from={last_eval_before(read_metrics(source), threshold)}")
             for entry in spec.robust:
                 cfgs[(opt, size, seed, entry)] = run_config(spec, size, opt, row["best"], seed,
-                                                            (*tuned[opt], *entry_overrides(entry), *cl))
+                                                            (*tuned[(opt, size)], *entry_overrides(entry), *cl))
     summaries = study.run("robust", train_jobs(study, list(cfgs.values())))
     runs = {key: run_dir(study.runs, cfg) for key, cfg in cfgs.items()}
     cl_models = {key: p for key, p in runs.items() if summaries[p.name].get("cl_step") is not None}
