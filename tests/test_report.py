@@ -26,7 +26,7 @@ from optquant.report.claims import check_claims
 from optquant.report.diagnostics import cl_table, correlation_table, cost_table, lr_status_table
 from optquant.report.fits import fit_diagnostics_table, table10, table10_joint
 from optquant.report.load import load_study
-from optquant.report.tables import table2, table3
+from optquant.report.tables import column_digits, table2, table3
 from optquant.stats import NOT_RESOLVED, summarize
 
 VERDICTS = {"supported", "contradicted", NOT_RESOLVED}
@@ -67,16 +67,18 @@ def test_tables_show_seed_summaries_of_the_named_rows(smoke_study, page):
     html = page.read_text()
     best = df[(df.kind == "fp") & df.best_lr & (df.metric == "final_val_loss")]
     rows = {(r[0], r[1]): r for r in table2(d).rows}
+    digits = column_digits([summarize(g["value"]) for _, g in best.groupby(["size", "optimizer"])], 4)
     for (size, opt), g in best.groupby(["size", "optimizer"]):
-        cell = summarize(g["value"]).text(4)
+        cell = summarize(g["value"]).text(digits)
         assert rows[(d.size_label(size), d.label(opt))][3] == cell
-        assert cell in _section(html, "fp")
+        assert cell in re.sub(r"<[^>]+>", "", _section(html, "fp"))
     worse = df[(df.kind == "fp") & ~df.best_lr & (df.metric == "final_val_loss")]["value"]
     assert not any(f"{v:.4f}" in _section(html, "fp") for v in worse if v not in set(best["value"]))
     dl = df[(df.kind == "cl") & (df.scheme == "w4a4-rtn") & (df.metric == "delta_val_loss")]
     t3 = {(r[0], r[1]): r[2] for r in table3(d, "w4a4-rtn").rows}
+    digits = column_digits([summarize(g["value"]) for _, g in dl.groupby(["size", "optimizer"])], 4)
     for (size, opt), g in dl.groupby(["size", "optimizer"]):
-        assert t3[(d.size_label(size), d.label(opt))] == summarize(g["value"]).text(4, signed=True)
+        assert t3[(d.size_label(size), d.label(opt))] == summarize(g["value"]).text(digits, signed=True)
     assert "pooled (all sizes)" in {r[0] for r in table2(d).rows}
 
 
@@ -165,7 +167,7 @@ def test_markdown_cli_prints_the_page_tables(smoke_study, page, capsys):
     assert main(["report", str(smoke_study), "--markdown"]) == 0
     md = capsys.readouterr().out
     assert md == report_markdown(smoke_study) + "\n"
-    html = page.read_text()
+    html = re.sub(r"<[^>]+>", "", page.read_text())  # a number cell's parts are spans (html.py `_cell`)
     for t in headline_tables(load_study(smoke_study)):
         assert f"### {t.title}" in md
         for row in t.rows[:3]:
@@ -207,15 +209,19 @@ CHROMIUM = shutil.which("chromium")
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian package 'chromium')")
-def test_chromium_loads_every_figure(page, tmp_path):
+def test_chromium_loads_every_figure_and_no_table_overflows(page, tmp_path):
+    """Every image decodes, and at a 1400 px window no table is wider than its box (none clipped or
+    scrolled sideways) and the page has no horizontal scroll (the page's load script reports both)."""
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom",
-           page.resolve().as_uri()]  # fmt: skip
+           f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1000", "--virtual-time-budget=5000",
+           "--dump-dom", page.resolve().as_uri()]  # fmt: skip
     dom = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
     m = re.search(r'data-figures="(\d+)/(\d+)"', dom)
     assert m, dom[:500]
     assert m.group(1) == m.group(2) == str(len(_imgs(page)))
+    wide = re.search(r'data-overflow="([^"]*)"', dom)
+    assert wide and wide.group(1) == "", wide and wide.group(1)
 
 
 def test_fit_tables_say_not_identified_and_show_diagnostics(smoke_study, tmp_path):
@@ -379,3 +385,14 @@ def test_one_dominant_point_is_found_and_loo_shows_it():
     assert idx == "run7" and 0 < linthresh < 0.1
     lo, hi = loo_range(x, y.to_numpy())
     assert hi > 0.95 and lo < 0.5  # r ≈ 1 with the point, near 0 without it
+
+
+def test_columns_are_printed_at_the_precision_of_their_intervals():
+    from optquant.stats import Summary
+
+    tight = [summarize([5.3851, 5.3853, 5.3856]), summarize([5.1, 5.1002, 5.1003])]
+    assert column_digits(tight, 4) == 4  # half-widths ~5e-4: four decimals
+    loose = [summarize([0.0, 0.0017, 0.0033]), summarize([-0.0017, 0.0, 0.0017])]
+    assert column_digits(loose, 4) == 3  # ~4e-3: three
+    assert column_digits([summarize([1.0])], 4) == 4  # no interval: the column's default
+    assert Summary(-0.00001, 0.001, 3, -0.002, 0.002).text(3, signed=True) == "0.000 ± 0.001 [-0.002, +0.002] (n=3)"

@@ -22,7 +22,7 @@ from optquant.report.costs import cost_section
 from optquant.report.diagnostics import cl_table, correlation_table, cost_table, lr_status_table
 from optquant.report.fits import fit_diagnostics_table, table10, table10_joint
 from optquant.report.html import Section, page
-from optquant.report.load import StudyData, fmt_count, load_study
+from optquant.report.load import StudyData, load_study
 from optquant.report.tables import (
     outlier_table,
     paper_table,
@@ -121,14 +121,15 @@ def _qat_sections(d: StudyData, fig_dir: Path) -> list[Section]:
 def _header(d: StudyData) -> str:
     r = d.results
     kinds = ", ".join(f"{k}: {r.loc[r['kind'] == k, 'run_id'].nunique()}" for k in ("fp", "cl", "qat"))
-    sizes = ", ".join(f"{s} ({fmt_count(d.n_params.get(s))})" for s in d.sizes) or "none"
+    sizes = ", ".join(d.size_label(s) for s in d.sizes) or "none"
     opts = ", ".join(d.label(o) for o in d.optimizers) or "none"
     schemes = ", ".join(d.schemes("cl")) or "none"
     tasks = ", ".join(t for t in d.tasks() if t != "avg") or "none (the built-in multiple-choice task)"
     return (
         f'<p class="meta">Study directory: <code>{escape(str(d.root))}</code> · runs by kind: {kinds} · '
         f"sizes (parameters): {escape(sizes)} · optimizers: {escape(opts)} · PTQ schemes: "
-        f'{escape(schemes)} · lm-eval tasks: {escape(tasks)}</p>\n<div class="caveat">{escape(CAVEAT)}</div>'
+        f'{escape(schemes)} · lm-eval tasks: {escape(tasks)}</p>\n<p class="meta">{escape(d.count_note())}</p>\n'
+        f'<div class="caveat">{escape(CAVEAT)}</div>'
     )
 
 
@@ -163,5 +164,5 @@ def report_markdown(study_dir: str | Path) -> str:
     """The headline tables (2, LR status, 3, 3c, 3b, 4, MMR/R_L, correlations, CL, 10) and the claims as markdown."""
     d = load_study(study_dir)
     tables = headline_tables(d)
-    head = f"## optquant study {d.spec.get('name') or d.root.name}\n\n_{CAVEAT}_\n"
+    head = f"## optquant study {d.spec.get('name') or d.root.name}\n\n_{CAVEAT}_\n\n_{d.count_note()}_\n"
     return "\n".join([head, *(to_markdown(t) for t in tables)])

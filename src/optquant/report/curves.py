@@ -14,10 +14,9 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from optquant.report.figures import Plot, grid, log_axis, missing, optimizer_legend, save
-from optquant.report.load import StudyData, fit_rho4, fmt_count, fmt_lr
+from optquant.report.load import StudyData, fit_n, fit_rho4, fmt_count, fmt_lr
 from optquant.scaling import LawFit, predict
 from optquant.stats import summarize
-from optquant.study.results import fit_n
 
 
 def scaling_points(d: StudyData) -> tuple[pd.DataFrame, str]:
