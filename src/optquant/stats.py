@@ -60,7 +60,8 @@ class Summary:
             return "–"
         if self.n == 1:
             return f"{f(self.mean)} (n=1)"
-        return f"{f(self.mean)} ± {self.sd:.{digits}f} [{f(self.lo)}, {f(self.hi)}] (n={self.n})"
+        sd = digits if self.sd == 0 or round(self.sd, digits) else -math.floor(math.log10(self.sd))  # never "± 0.00"
+        return f"{f(self.mean)} ± {self.sd:.{sd}f} [{f(self.lo)}, {f(self.hi)}] (n={self.n})"
 
 
 def summarize(values: Sequence[float] | np.ndarray, level: float = 0.95) -> Summary:

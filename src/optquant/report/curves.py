@@ -110,9 +110,11 @@ def fig_lr_sweeps(d: StudyData, out: Path) -> Plot:
                 if per[lr].n > 1 and len(first):  # the value the search compared with its neighbours
                     ax.scatter([lr], [float(first.iloc[0])], marker="o", s=22, facecolor="white", edgecolor=c,
                                zorder=3)
+        dv = diverged[(diverged["size"] == s) & (diverged["value"] > 0)]  # a diverged run has no final loss row
+        ax.plot(pd.concat([ds["lr"], dv["lr"]]), np.full(len(ds) + len(dv), np.nan), ls="")  # x-range: all LRs
         log_axis(ax, "x", fmt_lr)
         top = ax.get_ylim()[1]
-        for o, g in ds[ds["run_id"].isin(bad)].groupby("optimizer"):
+        for o, g in dv.groupby("optimizer"):
             ax.scatter(g["lr"], [top] * len(g), marker="x", s=50, color=d.color(o), clip_on=False, zorder=3)
         ax.set_ylim(top=top)
         ax.set_xlabel("peak learning rate")

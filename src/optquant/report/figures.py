@@ -188,6 +188,8 @@ def fig1_damage_vs_metrics(d: StudyData, out: Path) -> Plot:
         auto_scale(ax, "x", df[m])
         if big is not None:
             ax.set_yscale("symlog", linthresh=big[1], linscale=2)
+            lo, hi = float(df["damage"].min()), float(df["damage"].max())
+            ax.set_ylim(min(lo, 0.0) * 1.5 - 0.2 * big[1], hi * 2.5 if hi > 0 else hi + big[1])
             r = df.loc[big[0]]
             if np.isfinite(r[m]):
                 ax.annotate(f"{d.label(r['optimizer'])} {r['size']}, LR {fmt_lr(r['lr'])}", (r[m], r["damage"]),
@@ -262,7 +264,8 @@ def fig3_abc(d: StudyData, out: Path) -> Plot:
         n_mod += len(ch)
         x = np.arange(len(ch))
         for term, color, ls, lw, _ in ABC_TERMS:
-            ax.plot(x, positive(ch[term].abs() if term == "C" else ch[term]), color=color, ls=ls, lw=lw)
+            ax.plot(x, positive(ch[term].abs() if term == "C" else ch[term]), color=color, ls=ls, lw=lw, marker=".",
+                    ms=5)  # a marker: a value between two zeros has no line segment to show it
         log_axis(ax, "y")
         main = np.concatenate([positive(ch[t]) for t in "RAB"])
         c = positive(ch["C"].abs())
@@ -276,7 +279,7 @@ def fig3_abc(d: StudyData, out: Path) -> Plot:
         ax.set_title(d.label(o), fontsize=9, color=d.color(o))
         ax.set_xlabel("module (forward order)")
     axes[0].set_ylabel("relative error")
-    handles = [Line2D([], [], color=c, ls=ls, lw=lw, label=lab) for _, c, ls, lw, lab in ABC_TERMS]
+    handles = [Line2D([], [], color=c, ls=ls, lw=lw, marker=".", label=lab) for _, c, ls, lw, lab in ABC_TERMS]
     fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=8, frameon=False)
     cut = (f" Where |C| falls 300× below the smallest R, A or B ({', '.join(below)}) the axis stops there."
            if below else "")
