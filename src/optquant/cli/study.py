@@ -108,7 +108,7 @@ class Progress:
             cols = 0
         self.plain = cols < 40
         self.bar = None if quiet or self.plain else tqdm(
-            total=1000, bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix}", dynamic_ncols=True, file=stream)
+            total=1000, bar_format="{desc}: {percentage:3.0f}%|{bar}| {unit}", dynamic_ncols=True, file=stream)
         self.lock, self.stop, self.last_line = threading.Lock(), threading.Event(), 0.0
         self.ticker = threading.Thread(target=self._tick, daemon=True)
         if not quiet:
@@ -131,7 +131,8 @@ class Progress:
         if self.bar is not None:
             self.bar.set_description_str(self.stage, refresh=False)
             self.bar.n = min(999, int(1000 * self.eta.fraction(now)))
-            self.bar.set_postfix_str(self.status(now))  # refreshes
+            self.bar.unit = self.status(now)  # {unit} in bar_format: tqdm's postfix would start with ", "
+            self.bar.refresh()
         elif self.plain and not self.quiet and now - self.last_line >= 30:
             self.last_line = now
             self.write(f"[{now - self.eta.start:7.1f}s] {self.stage}: {self.status(now)}")
