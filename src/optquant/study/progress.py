@@ -3,13 +3,14 @@
 Counting jobs makes a poor clock: a study's jobs differ a thousandfold in cost (a PTQ job takes a
 second, a QAT run at the largest size minutes), and the slow QAT stage comes after the fast PTQ jobs. So
 the plan is priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start: its
-expected job count (study/budget.py's stages, with one LR extension per search, as `estimate_jobs`
-assumes) and a prior cost per job (training FLOPs, or PTQ forward passes, at `CPU_FLOPS`). Each
-costs.jsonl record (study/executor.py) then replaces a prior by measurement, in this order: the cell's
-mean; for CL and QAT, its FP twin's mean times the CL/FP or QAT/FP ratio measured in other cells; the
-prior scaled by the measured/prior ratio of the same class and optimizer, then class, then all jobs. A
-later class appearing ends the earlier ones (their counts become what ran: extensions that never came are
-dropped), and the PTQ counts are recomputed from the FP runs that actually finished.
+expected job count (the dry run's stages, study/budget.py, with one LR extension round per search as
+`estimate_jobs` assumes and half of any other upper bound) and a prior cost per job (training FLOPs, or
+PTQ forward passes, at `CPU_FLOPS`). Each costs.jsonl record (study/executor.py) then replaces a prior
+by measurement, in this order: the cell's mean; for CL and QAT, its FP twin's mean times the CL/FP or
+QAT/FP ratio measured in other cells; the prior scaled by the measured/prior ratio of the same class
+and optimizer, then class, then all jobs. A later class appearing ends the earlier ones (their counts
+become what ran: extensions that never came are dropped), and the PTQ counts are recomputed from the FP
+runs that actually finished.
 
 remaining wall time = remaining worker-seconds / measured parallelism (worker-seconds done per second of
 wall time, between 1 and `workers`) − the time since the last completion; the display counts down
@@ -23,7 +24,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from optquant.study.spec import StudySpec, estimate_jobs, lr_grid, run_config
+from optquant.study.spec import StudySpec, estimate_jobs, run_config
 
 CPU_FLOPS = 2e9  # prior effective FLOP/s of one CPU worker on these small models; corrected by the first jobs
 QAT_OVER_FP = 1.3  # prior QAT/FP cost ratio (QuEST's quantizers), corrected once a QAT run finishes
@@ -43,27 +44,40 @@ class Cell:
         return self.seconds / self.done if self.done else math.nan
 
 
+def expected(stage: str, spec: StudySpec) -> float:
+    """The share of a dry-run stage's upper bound (study/budget.py) a study is expected to run: one of the
+    `lr_extensions` rounds (what `estimate_jobs` assumes), half of any other bound, all of the rest."""
+    if "extension" in stage:
+        return min(1.0, 1 / max(1, spec.lr_extensions))
+    return 0.5 if "bound" in stage else 1.0
+
+
 def plan_cells(spec: StudySpec) -> dict[tuple[str, str, str], Cell]:
-    """(class, optimizer, size) → its expected jobs and prior seconds per job, from the StudySpec alone."""
+    """(class, optimizer, size) → its expected jobs and prior seconds per job, from the StudySpec alone:
+    the dry run's stages (study/budget.py `stages`, scaled by `expected`) and its FLOPs."""
+    from collections import Counter
+
     from optquant.budget import DEFAULT_PLAN
-    from optquant.study.budget import cl_fraction, run_budgets
+    from optquant.study.budget import cl_fraction, run_budgets, stages
 
     budgets = run_budgets(spec, DEFAULT_PLAN)
+    runs: dict[str, Counter] = {c: Counter() for c in ("fp", "cl", "qat", "sweeps")}
+    for st in stages(spec):
+        cls = "cl" if st.name.startswith("common loss") else "qat" if st.name == "qat" else \
+            "sweeps" if st.name.startswith("sweeps") else "fp"
+        for k, n in st.train_runs.items():
+            runs[cls][k] += n * expected(st.name, spec)
     n_seeds, out = len(spec.seeds), {}
     for (o, s), b in budgets.items():
-        fp = len(lr_grid(spec, o)) + (spec.lr_extensions > 0) + spec.lr_refine + n_seeds - 1
-        sweeps = sum(len(v) for v in spec.sweeps.get(o, {}).values()) if s == spec.sizes[0] else 0
-        train = b.flops / CPU_FLOPS
-        tc = run_config(spec, s, o).train
-        forward = 2.0 * b.n_params * tc.eval_batches * tc.batch_size * run_config(spec, s, o).model.seq_len
-        out[("fp", o, s)] = Cell(fp + sweeps, train)
-        out[("cl", o, s)] = Cell(n_seeds, train * cl_fraction(spec, o, s, b))
-        out[("ptq", o, s)] = Cell(n_seeds * len(spec.ptq_schemes) + fp * len(spec.sweep_ptq_schemes),
-                                  12 * forward / CPU_FLOPS)
+        tc, mc = run_config(spec, s, o).train, run_config(spec, s, o).model
+        forward = 2.0 * b.n_params * tc.eval_batches * tc.batch_size * mc.seq_len / CPU_FLOPS
+        train, fp = b.flops / CPU_FLOPS, runs["fp"][(o, s)]
+        out[("fp", o, s)] = Cell(fp + runs["sweeps"][(o, s)], train)
+        out[("cl", o, s)] = Cell(runs["cl"][(o, s)], train * cl_fraction(spec, o, s, b))
+        out[("ptq", o, s)] = Cell(n_seeds * len(spec.ptq_schemes) + fp * len(spec.sweep_ptq_schemes), 12 * forward)
         if not spec.sweep_ptq_schemes:
-            out[("outliers", o, s)] = Cell(fp, 2 * forward / CPU_FLOPS)
-        if spec.qat_bits:
-            out[("qat", o, s)] = Cell(n_seeds * len(spec.qat_bits), train * QAT_OVER_FP)
+            out[("outliers", o, s)] = Cell(fp, 2 * forward)
+        out[("qat", o, s)] = Cell(runs["qat"][(o, s)], train * QAT_OVER_FP)
     return {k: c for k, c in out.items() if c.planned > 0}
 
 
