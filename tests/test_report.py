@@ -93,6 +93,11 @@ def test_headline_correlation_table_is_per_size_with_n_and_partials(smoke_study)
     first = t.rows[0]
     assert first[2].split()[0] == str(n_largest)
     assert [r[2].split()[0] for r in t.rows if r[0] == "pooled (all sizes)"][0] == str(ptq["run_id"].nunique())
+    loo = t.columns.index("Pearson LOO range")  # every r with the range of r over its leave-one-out subsets
+    for row in t.rows:
+        r = float(row[t.columns.index("Pearson")].split()[0])
+        lo, hi = (float(v) for v in row[loo].split(" … "))
+        assert lo - 0.01 <= r <= hi + 0.01, row
 
 
 def test_cl_losses_spread_and_unbracketed_lrs(smoke_study):

@@ -128,6 +128,23 @@ def loo_range(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return (min(rs), max(rs)) if rs else (np.nan, np.nan)
 
 
+PER_SCHEME = ("R_L", "sum_A", "sum_B")  # measured on the quantized model; the outlier metrics on the FP one
+
+
+def damage_frame(d: StudyData, scheme: str, metrics: tuple[str, ...], target: str = "delta_val_loss") -> pd.DataFrame:
+    """Per model (FP sweep runs and CL models, indexed by run_id): its PTQ damage under `scheme`, each
+    metric (R_L, Σ A, Σ B under `scheme`, the outlier metrics at scheme none), size, optimizer and LR."""
+    def both(metric: str, sch: str) -> pd.Series:
+        rows = pd.concat([d.rows("fp", metric, sch), d.rows("cl", metric, sch)])
+        return rows.drop_duplicates("run_id").set_index("run_id")["value"]
+
+    df = both(target, scheme).rename("damage").to_frame()
+    for m in metrics:
+        df = df.join(both(m, scheme if m in PER_SCHEME else "none").rename(m), how="left")
+    meta = d.results.drop_duplicates("run_id").set_index("run_id")[["size", "optimizer", "lr"]]
+    return df.join(meta, how="left")
+
+
 def _corr_text(d: StudyData, scheme: str, metric: str, df: pd.DataFrame) -> str:
     c = d.correlations
     if c is None or c.empty:
@@ -163,17 +180,8 @@ def fig1_damage_vs_metrics(d: StudyData, out: Path) -> Plot:
     scheme = d.paper_scheme()
     if scheme is None:
         return missing("fig1", title, "no PTQ rows (kind=cl with a scheme)")
-    def both(metric: str, sch: str = "none") -> pd.DataFrame:  # FP sweep runs and CL models
-        return pd.concat([d.rows("fp", metric, sch), d.rows("cl", metric, sch)])
-
-    damage = both("delta_val_loss", scheme).set_index("run_id")["value"].rename("damage")
-    cols = {"mmr": both("mmr"), "kurtosis": both("kurtosis"), "R_L": both("R_L", scheme)}
-    df = damage.to_frame()
-    for m, rows in cols.items():
-        df = df.join(rows.set_index("run_id")["value"].rename(m), how="left")
-    meta = d.results.drop_duplicates("run_id").set_index("run_id")[["size", "optimizer", "lr"]]
-    df = df.join(meta, how="left")
-    present = [m for m in cols if m in df and df[m].notna().any()]
+    df = damage_frame(d, scheme, ("mmr", "kurtosis", "R_L"))
+    present = [m for m in ("mmr", "kurtosis", "R_L") if m in df and df[m].notna().any()]
     if df.empty or not present:
         return missing("fig1", title, f"no Δ val loss with MMR/kurtosis/R_L under {scheme}")
     fig, axes = grid(len(present), w=4.6, h=3.6)
