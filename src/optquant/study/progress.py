@@ -5,11 +5,12 @@ second, a QAT run at the largest size minutes), and the slow QAT stage comes aft
 the plan is priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start: its
 expected job count (the dry run's stages, study/budget.py, with one LR extension round per search as
 `estimate_jobs` assumes and half of any other upper bound) and a prior cost per job (training FLOPs, or
-PTQ forward passes, at `CPU_FLOPS`). Each costs.jsonl record (study/executor.py) then replaces a prior
-by measurement, in this order: the cell's mean; for CL and QAT, its FP twin's mean times the CL/FP or
-QAT/FP ratio measured in other cells; the prior scaled by the measured/prior ratio of the same class
-and optimizer, then class, then all jobs. A later class appearing ends the earlier ones (their counts
-become what ran: extensions that never came are dropped), and the PTQ counts are recomputed from the FP
+PTQ forward passes, at `CPU_FLOPS`; half the CL upper bound). Each costs.jsonl record (study/executor.py)
+then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best
+LR's runs, under the machine's current load); for CL and QAT, its FP twin's mean times the CL/FP or
+QAT/FP ratio measured in other cells; the prior scaled by the measured/prior ratio of the same class and
+optimizer, then class, then all jobs. A later class appearing ends the earlier ones (their counts become
+what ran: extensions that never came are dropped), and the PTQ counts are recomputed from the FP
 runs that actually finished.
 
 remaining wall time = remaining worker-seconds / measured parallelism (worker-seconds done per second of
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from optquant.study.spec import StudySpec, estimate_jobs, run_config
 
 CPU_FLOPS = 2e9  # prior effective FLOP/s of one CPU worker on these small models; corrected by the first jobs
 QAT_OVER_FP = 1.3  # prior QAT/FP cost ratio (QuEST's quantizers), corrected once a QAT run finishes
 ORDER = {"fp": 0, "cl": 1, "ptq": 2, "outliers": 2, "qat": 3}  # the pipeline's order of stage classes
+RECENT = 3  # a cell's estimate is the mean of its last RECENT jobs
 PRIOR_WEIGHT_S = 60.0  # the parallelism prior counts as this many seconds of observed wall time
 
 
@@ -38,10 +40,13 @@ class Cell:
     prior: float  # seconds per job before any measurement
     done: int = 0
     seconds: float = 0.0  # measured worker-seconds of the done jobs
+    recent: list[float] = field(default_factory=list)  # the last RECENT jobs' seconds
 
     @property
     def mean(self) -> float:
-        return self.seconds / self.done if self.done else math.nan
+        """Seconds per job from the latest jobs: they run at the LR the later ones use (not a diverged or
+        early-stopped sweep point) and under the machine's current load."""
+        return sum(self.recent) / len(self.recent) if self.recent else math.nan
 
 
 def expected(stage: str, spec: StudySpec) -> float:
@@ -73,7 +78,8 @@ def plan_cells(spec: StudySpec) -> dict[tuple[str, str, str], Cell]:
         forward = 2.0 * b.n_params * tc.eval_batches * tc.batch_size * mc.seq_len / CPU_FLOPS
         train, fp = b.flops / CPU_FLOPS, runs["fp"][(o, s)]
         out[("fp", o, s)] = Cell(fp + runs["sweeps"][(o, s)], train)
-        out[("cl", o, s)] = Cell(runs["cl"][(o, s)], train * cl_fraction(spec, o, s, b))
+        # cl_fraction is an upper bound (a CL run stops at its crossing, on average halfway through the interval)
+        out[("cl", o, s)] = Cell(runs["cl"][(o, s)], train * cl_fraction(spec, o, s, b) / 2)
         out[("ptq", o, s)] = Cell(n_seeds * len(spec.ptq_schemes) + fp * len(spec.sweep_ptq_schemes), 12 * forward)
         if not spec.sweep_ptq_schemes:
             out[("outliers", o, s)] = Cell(fp, 2 * forward)
@@ -96,6 +102,7 @@ class CostETA:
         key = (r.get("stage"), r.get("optimizer"), r.get("size"))
         cell = self.cells.setdefault(key, Cell(0.0, self._class_mean(key[0])))
         cell.done, cell.seconds = cell.done + 1, cell.seconds + float(r["seconds"])
+        cell.recent = [*cell.recent, float(r["seconds"])][-RECENT:]
         cell.planned = max(cell.planned, cell.done)
         self.busy, self.jobs, self.t_last = self.busy + float(r["seconds"]), self.jobs + 1, max(self.t_last, r["end"])
         self._advance(ORDER.get(key[0], self.phase))
