@@ -164,13 +164,14 @@ def _corr_text(d: StudyData, scheme: str, metric: str, df: pd.DataFrame) -> str:
 
 
 def dominant(values: pd.Series) -> tuple[object, float] | None:
-    """(index, threshold) of the one value that dwarfs the rest (over 5× the next largest |value| and
-    over 10× the 90th percentile), else None; `threshold` is where a symlog axis should turn linear."""
+    """(index, threshold) of the one value that dwarfs the rest (over 3× the next largest |value|, so the
+    others share under a third of a linear axis, and over 10× the median), else None; `threshold` is where
+    a symlog axis should turn linear (the others' 90th percentile)."""
     v = values[np.isfinite(values)].abs().sort_values()
     if len(v) < 5:
         return None
     top, nxt, p90 = v.iloc[-1], v.iloc[-2], float(np.quantile(v.iloc[:-1], 0.9))
-    if top > 5 * nxt and top > 10 * max(p90, 1e-12):
+    if top > 3 * nxt and top > 10 * max(float(v.median()), 1e-12):
         return v.index[-1], max(p90, nxt / 10, 1e-6)
     return None
 
