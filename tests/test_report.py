@@ -29,7 +29,7 @@ from optquant.report.design import NOT_TESTABLE
 from optquant.report.diagnostics import cl_table, correlation_table, cost_table, lr_status_table, tuning_table
 from optquant.report.fits import fit_diagnostics_table, table10, table10_joint
 from optquant.report.load import load_study
-from optquant.report.tables import table2, table3
+from optquant.report.tables import column_digits, table2, table3
 from optquant.stats import NOT_RESOLVED, summarize
 
 VERDICTS = {"supported", "contradicted", NOT_RESOLVED}
@@ -70,16 +70,18 @@ def test_tables_show_seed_summaries_of_the_named_rows(smoke_study, page):
     html = page.read_text()
     best = df[(df.kind == "fp") & df.best_lr & (df.metric == "final_val_loss")]
     rows = {(r[0], r[1]): r for r in table2(d).rows}
+    digits = column_digits([summarize(g["value"]) for _, g in best.groupby(["size", "optimizer"])], 4)
     for (size, opt), g in best.groupby(["size", "optimizer"]):
-        cell = summarize(g["value"]).text(4)
+        cell = summarize(g["value"]).text(digits)
         assert rows[(d.size_label(size), d.label(opt))][3] == cell
-        assert cell in _section(html, "fp")
+        assert cell in re.sub(r"<[^>]+>", "", _section(html, "fp"))
     worse = df[(df.kind == "fp") & ~df.best_lr & (df.metric == "final_val_loss")]["value"]
     assert not any(f"{v:.4f}" in _section(html, "fp") for v in worse if v not in set(best["value"]))
     dl = df[(df.kind == "cl") & (df.scheme == "w4a4-rtn") & (df.metric == "delta_val_loss")]
     t3 = {(r[0], r[1]): r[2] for r in table3(d, "w4a4-rtn").rows}
+    digits = column_digits([summarize(g["value"]) for _, g in dl.groupby(["size", "optimizer"])], 4)
     for (size, opt), g in dl.groupby(["size", "optimizer"]):
-        assert t3[(d.size_label(size), d.label(opt))] == summarize(g["value"]).text(4, signed=True)
+        assert t3[(d.size_label(size), d.label(opt))] == summarize(g["value"]).text(digits, signed=True)
     assert "pooled (all sizes)" in {r[0] for r in table2(d).rows}
 
 
@@ -94,6 +96,11 @@ def test_headline_correlation_table_is_per_size_with_n_and_partials(smoke_study)
     first = t.rows[0]
     assert first[2].split()[0] == str(n_largest)
     assert [r[2].split()[0] for r in t.rows if r[0] == "pooled (all sizes)"][0] == str(ptq["run_id"].nunique())
+    loo = t.columns.index("Pearson LOO range")  # every r with the range of r over its leave-one-out subsets
+    for row in t.rows:
+        r = float(row[t.columns.index("Pearson")].split()[0])
+        lo, hi = (float(v) for v in row[loo].split(" … "))
+        assert lo - 0.01 <= r <= hi + 0.01, row
 
 
 def test_cl_losses_spread_and_unbracketed_lrs(smoke_study):
@@ -231,7 +238,7 @@ def test_markdown_cli_prints_the_page_tables(smoke_study, page, capsys):
     assert main(["report", str(smoke_study), "--markdown"]) == 0
     md = capsys.readouterr().out
     assert md == report_markdown(smoke_study) + "\n"
-    html = page.read_text()
+    html = re.sub(r"<[^>]+>", "", page.read_text())  # a number cell's parts are spans (html.py `_cell`)
     for t in headline_tables(load_study(smoke_study)):
         assert f"### {t.title}" in md
         for row in t.rows[:3]:
@@ -273,15 +280,19 @@ CHROMIUM = shutil.which("chromium")
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (Debian package 'chromium')")
-def test_chromium_loads_every_figure(page, tmp_path):
+def test_chromium_loads_every_figure_and_no_table_overflows(page, tmp_path):
+    """Every image decodes, and at a 1400 px window no table is wider than its box (none clipped or
+    scrolled sideways) and the page has no horizontal scroll (the page's load script reports both)."""
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=5000", "--dump-dom",
-           page.resolve().as_uri()]  # fmt: skip
+           f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1000", "--virtual-time-budget=5000",
+           "--dump-dom", page.resolve().as_uri()]  # fmt: skip
     dom = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
     m = re.search(r'data-figures="(\d+)/(\d+)"', dom)
     assert m, dom[:500]
     assert m.group(1) == m.group(2) == str(len(_imgs(page)))
+    wide = re.search(r'data-overflow="([^"]*)"', dom)
+    assert wide and wide.group(1) == "", wide and wide.group(1)
 
 
 def test_fit_tables_say_not_identified_and_show_diagnostics(smoke_study, tmp_path):
@@ -331,3 +342,128 @@ def test_cost_table_shows_the_newton_schulz_dtype(smoke_study, tmp_path):
     for path in root.glob("runs/*-muon-*/summary.json"):
         path.write_text(json.dumps({**json.loads(path.read_text()), "ns_dtype": flipped}))
     assert {row[1]: row[col] for row in cost_table(load_study(root)).rows}["Muon"] == flipped
+
+
+# ---------------------------------------------------------------- figures, as drawn (issue 22)
+def _drawn_figures(root: Path, monkeypatch) -> dict:
+    """Every figure the report draws, by key, captured where it would be saved (the canvas as drawn)."""
+    from optquant.report import curves, figures
+
+    drawn = {}
+
+    def keep(fig, out_dir, key):
+        drawn[key] = fig
+        return f"figures/{key}.png"
+
+    monkeypatch.setattr(figures, "save", keep)
+    monkeypatch.setattr(curves, "save", keep)
+    render_report(root)
+    return drawn
+
+
+def test_scaling_curves_pass_through_the_points_they_were_fitted_to(smoke_study, tmp_path):
+    """Points and curves in the N the fits used: with the budget counting non-embedding parameters (the
+    cpu preset), each drawn curve, read at each drawn point's N, is at the fit's own prediction there and
+    within the fit's largest |residual| of the point; read at the total N (the old figure) it is not."""
+    from optquant.report.curves import scaling_figure
+    from optquant.study.results import fits
+
+    root = tmp_path / "study"
+    shutil.copytree(smoke_study, root)
+    df = pd.read_parquet(root / "results.parquet").assign(budget_params="non_embedding")
+    df.to_parquet(root / "results.parquet")
+    (root / "fits.json").write_text(json.dumps(fits(df, "none"), allow_nan=False))
+    d = load_study(root)
+    fig, count, _ = scaling_figure(d)
+    assert count == "non_embedding"
+    checked = 0
+    for ax, opt in zip([a for a in fig.axes if a.get_visible()], d.optimizers, strict=True):
+        res = pd.DataFrame(d.fits["per_optimizer"][opt]["diagnostics"]["residuals"])
+        res = res[res["precision"] == "fp"]
+        tol = float((res["loss"] - res["predicted"]).abs().max()) + 1e-9
+        curve = next(line for line in ax.get_lines() if line.get_label().startswith("fit, FP"))
+        cx, cy = np.log(curve.get_xdata()), curve.get_ydata()
+        fp = next(c for c in ax.collections if c.get_label() == "FP")
+        for x, y in fp.get_offsets():
+            assert np.isclose(res["n_params"], x).any(), (opt, x, sorted(set(res["n_params"])))
+            at = float(np.interp(np.log(x), cx, cy))
+            predicted = float(res.loc[np.isclose(res["n_params"], x), "predicted"].iloc[0])
+            assert abs(at - predicted) < 1e-3 * abs(predicted)
+            assert abs(at - y) <= tol, (opt, x, at, y, tol)
+            checked += 1
+        total = float(df.loc[(df["optimizer"] == opt) & (df["n_params_non_embedding"] == res["n_params"].iloc[0]),
+                             "n_params"].iloc[0])
+        assert abs(float(np.interp(np.log(total), cx, cy)) - res["predicted"].iloc[0]) > 0.05  # the old figure
+    assert checked == 2 * len(d.optimizers)
+
+
+def _overlaps(fig) -> list[str]:
+    """Tick labels (in view, non-empty) whose boxes overlap on the same axis, as drawn."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    bad = []
+    for ax in fig.axes:
+        if not ax.get_visible():
+            continue
+        for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+            lo, hi = sorted(axis.get_view_interval())
+            labels = [t for t, v in zip(axis.get_majorticklabels(), axis.get_majorticklocs(), strict=False)
+                      if t.get_visible() and t.get_text() and lo <= v <= hi]
+            boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in labels]
+            for i, (a, ba) in enumerate(boxes):
+                bad += [f"{ax.get_title()[:20]!r} {name}: {a!r} / {b!r}" for b, bb in boxes[i + 1:] if ba.overlaps(bb)]
+    return bad
+
+
+def test_figures_have_no_colliding_tick_labels_and_integer_layer_ticks(smoke_study, tmp_path, monkeypatch):
+    root = tmp_path / "study"
+    shutil.copytree(smoke_study, root)
+    drawn = _drawn_figures(root, monkeypatch)
+    assert {"lr_sweeps", "fig1_damage_vs_metrics", "fig2_mmr_vs_lr", "fig3_abc", "scaling"} <= set(drawn)
+    for key, fig in drawn.items():
+        assert _overlaps(fig) == [], key
+    for key in ("fig3_abc", "fig4_gains"):
+        axes = [a for a in drawn[key].axes if a.get_visible()]
+        assert all(float(v).is_integer() for a in axes for v in a.get_xticks()), key
+    g4 = [a.get_xlim() for a in drawn["fig4_gains"].axes if a.get_visible()]
+    assert len(set(g4)) == 1  # G, G₁ and G₂ over the same layers
+
+
+def test_log_axis_ticks_stay_apart_over_many_decades():
+    from optquant.report.figures import grid, log_axis
+    from optquant.report.load import fmt_lr
+
+    for lo, hi in ((1e-4, 1e-1), (3e-3, 2e-2), (1e-9, 1e-1), (5e-4, 7e-4)):
+        fig, axes = grid(3)
+        for ax in axes:
+            ax.plot(np.geomspace(lo, hi, 7), np.arange(7))
+            log_axis(ax, "x", fmt_lr)
+        assert _overlaps(fig) == [], (lo, hi)
+        lim = axes[0].get_xlim()
+        assert lo / lim[0] < 2 and lim[1] / hi < 2  # no empty decades around the data
+        assert sum(lim[0] <= t <= lim[1] for t in axes[0].get_xticks()) >= 1
+
+
+def test_one_dominant_point_is_found_and_loo_shows_it():
+    from optquant.report.figures import dominant, loo_range
+
+    rng = np.random.default_rng(0)
+    y = pd.Series(rng.normal(0.01, 0.003, 60), index=[f"run{i}" for i in range(60)])
+    x = rng.normal(3, 1, 60)
+    assert dominant(y) is None
+    y["run7"], x[7] = 1.23, 40.0
+    idx, linthresh = dominant(y)
+    assert idx == "run7" and 0 < linthresh < 0.1
+    lo, hi = loo_range(x, y.to_numpy())
+    assert hi > 0.95 and lo < 0.5  # r ≈ 1 with the point, near 0 without it
+
+
+def test_columns_are_printed_at_the_precision_of_their_intervals():
+    from optquant.stats import Summary
+
+    tight = [summarize([5.3851, 5.3853, 5.3856]), summarize([5.1, 5.1002, 5.1003])]
+    assert column_digits(tight, 4) == 4  # half-widths ~5e-4: four decimals
+    loose = [summarize([0.0, 0.0017, 0.0033]), summarize([-0.0017, 0.0, 0.0017])]
+    assert column_digits(loose, 4) == 3  # ~4e-3: three
+    assert column_digits([summarize([1.0])], 4) == 4  # no interval: the column's default
+    assert Summary(-0.00001, 0.001, 3, -0.002, 0.002).text(3, signed=True) == "0.000 ± 0.001 [-0.002, +0.002] (n=3)"

@@ -12,7 +12,14 @@ from pathlib import Path
 # on the pool) added 114 lines: 12,017, budget 12,060. Issue 23's quantization-robust training (quant/robust.py and
 # robust_config.py: the R_L penalty, the gain cap, late QAT; their hooks in config.py and train.py) added 280: 12,297;
 # its study arm (plan.robust_stage, study/robust.py, the report's Robustness section) 298 more: 12,595.
-BUDGET = 12_600
+# Issue 22 added 536 (12,553): the ETA from the cost model
+# (study/progress.py, 220: priced cells, corrections by measured jobs, the replay the test and benchmark use),
+# the CLI's progress display (ticking clock, warnings above the bar, plain lines without a terminal), and
+# figures and tables right by construction (fits' N, seed means, tick density, symlog, LOO, column precision,
+# one parameter count, cells that wrap, LOO columns): budget 12,575. Issue 20's design (study/tuning.py: every step
+# size searched, tied group ratios; report/design.py: what each claim needs; the Tuning table; the machine record)
+# added ~456. All three merged: 13,587 lines, budget 13,650.
+BUDGET = 13_650
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

@@ -53,12 +53,15 @@ class Summary:
 
     def text(self, digits: int = 4, signed: bool = False) -> str:
         """'mean ± sd [lo, hi] (n=k)'; with one value just the value and (n=1)."""
-        f = f"{{:{'+' if signed else ''}.{digits}f}}"
+        def f(v: float) -> str:  # a value that rounds to zero prints without a sign ("-0.0000" is noise)
+            return f"{0.0 if round(v, digits) == 0 else v:{'+' if signed and round(v, digits) != 0 else ''}.{digits}f}"
+
         if self.n == 0 or not math.isfinite(self.mean):
             return "–"
         if self.n == 1:
-            return f"{f.format(self.mean)} (n=1)"
-        return f"{f.format(self.mean)} ± {self.sd:.{digits}f} [{f.format(self.lo)}, {f.format(self.hi)}] (n={self.n})"
+            return f"{f(self.mean)} (n=1)"
+        sd = digits if self.sd == 0 or round(self.sd, digits) else -math.floor(math.log10(self.sd))  # never "± 0.00"
+        return f"{f(self.mean)} ± {self.sd:.{sd}f} [{f(self.lo)}, {f(self.hi)}] (n={self.n})"
 
 
 def summarize(values: Sequence[float] | np.ndarray, level: float = 0.95) -> Summary:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -47,11 +50,11 @@ def add_parsers(sub) -> None:
 def _study(args: argparse.Namespace) -> int:
     import time
 
-    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     from optquant.config import load_toml
     from optquant.study.plan import run_study
-    from optquant.study.spec import apply_study_overrides, estimate_jobs, study_preset
+    from optquant.study.spec import apply_study_overrides, study_preset
 
     toml_preset, toml_overrides = load_toml(args.config) if args.config else (None, [])
     spec = study_preset(args.preset or toml_preset or "cpu")
@@ -64,34 +67,135 @@ def _study(args: argparse.Namespace) -> int:
         return 0
     spec = apply_study_overrides(spec, toml_overrides + (args.set or []))
     root = args.out or Path("studies") / spec.name
-    bar = tqdm(total=estimate_jobs(spec), unit="job", dynamic_ncols=True, disable=args.quiet)
-    start = time.time()
-
-    def on_event(event: dict) -> None:
-        if event["event"] == "warning":
-            bar.write(f"optquant: warning: {event['message']}", file=sys.stderr)
-            return
-        if event["event"] == "stage":
-            bar.set_description(event["stage"])
-            if bar.n + event["jobs"] > bar.total:  # grid extensions add jobs the estimate did not know
-                bar.total = bar.n + event["jobs"]
-                bar.refresh()
-            return
-        bar.update(1)
-        result = event["result"]
-        loss = result.get("final_val_loss", result.get("delta_val_loss"))
-        status = result.get("status", "done")
-        msg = f"[{time.time() - start:7.1f}s] {event['stage']}: {event['key']} {status}"
-        if isinstance(loss, float):
-            msg += f" ({'val loss' if 'final_val_loss' in result else 'Δ val loss'} {loss:.4f})"
-        bar.set_postfix_str(event["key"][-40:])
-        bar.write(msg)
-
-    report = run_study(spec, root, on_event)
-    bar.close()
-    print(f"study done in {time.time() - start:.0f}s: {root}")
+    progress = Progress(spec, root, args.quiet)
+    with logging_redirect_tqdm([logging.getLogger()]) if progress.bar else contextlib.nullcontext():
+        try:
+            report = run_study(spec, root, progress.on_event)
+        finally:
+            progress.close()
+    print(f"study done in {time.time() - progress.eta.start:.0f}s: {root}")
     print(f"report: {report}")
     return 0
+
+
+def _clock(s: float) -> str:
+    s = max(0, round(s))
+    return f"{s // 3600} h {s % 3600 // 60:02d} min" if s >= 3600 else f"{s // 60} min {s % 60:02d} s" if s >= 60 \
+        else f"{s} s"
+
+
+class Progress:
+    """The study's progress display: a bar driven by the cost model's share of estimated wall time
+    (optquant.study.progress), corrected by each costs.jsonl record as jobs finish, with a clock that keeps
+    counting between completions (a ticker thread) and warnings written above the bar. Without a usable
+    terminal (not a tty, or under 40 columns, as under `script` or some CI runners): plain timed lines, a
+    status line at each stage and every 30 s."""
+
+    def __init__(self, spec, root: Path, quiet: bool, stream=sys.stderr):
+        import threading
+        import time
+
+        from tqdm import tqdm
+
+        from optquant.study.progress import CostETA
+
+        self.eta, self.stream, self.quiet, self.stage = CostETA(spec, time.time()), stream, quiet, "start"
+        self.costs = Path(root) / "costs.jsonl"
+        self.offset = self.costs.stat().st_size if self.costs.is_file() else 0  # a resumed study's old lines
+        try:
+            cols = os.get_terminal_size(stream.fileno()).columns if stream.isatty() else 0
+        except (OSError, ValueError, AttributeError):
+            cols = 0
+        self.plain = cols < 40
+        self.bar = None if quiet or self.plain else tqdm(
+            total=1000, bar_format="{desc}: {percentage:3.0f}%|{bar}| {unit}", dynamic_ncols=True, file=stream)
+        self.lock, self.stop, self.last_line = threading.Lock(), threading.Event(), 0.0
+        self.ticker = threading.Thread(target=self._tick, daemon=True)
+        if not quiet:
+            self.ticker.start()
+
+    def status(self, now: float) -> str:
+        e = self.eta
+        return (f"{_clock(now - e.start)} elapsed, ETA {_clock(e.eta(now))} · {e.jobs}/{e.total_jobs()} jobs "
+                f"(estimated from the cost model)")
+
+    def write(self, msg: str) -> None:
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.write(msg, file=self.stream)
+        else:
+            print(msg, file=self.stream, flush=True)
+
+    def _show(self, now: float) -> None:
+        if self.bar is not None:
+            self.bar.set_description_str(self.stage, refresh=False)
+            self.bar.n = min(999, int(1000 * self.eta.fraction(now)))
+            self.bar.unit = self.status(now)  # {unit} in bar_format: tqdm's postfix would start with ", "
+            self.bar.refresh()
+        elif self.plain and not self.quiet and now - self.last_line >= 30:
+            self.last_line = now
+            self.write(f"[{now - self.eta.start:7.1f}s] {self.stage}: {self.status(now)}")
+
+    def _tick(self) -> None:
+        import time
+
+        while not self.stop.wait(1.0):
+            with self.lock:
+                self._show(time.time())
+
+    def _new_records(self) -> dict[str, dict]:
+        if not self.costs.is_file():
+            return {}
+        with open(self.costs, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # whole lines only; a line being written is read next time
+        self.offset += end
+        out = {}
+        for line in data[:end].splitlines():
+            with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
+                r = json.loads(line)
+                out[r["key"]] = r
+        return out
+
+    def on_event(self, event: dict) -> None:
+        import time
+
+        now = time.time()
+        with self.lock:
+            if event["event"] == "warning":
+                self.write(f"optquant: warning: {event['message']}")
+                return
+            if event["event"] == "stage":
+                self.stage = event["stage"]
+                self.write(f"[{now - self.eta.start:7.1f}s] {self.stage}: {event['jobs']} jobs; "
+                           f"{self.status(now)}")
+                self.last_line = now
+                self._show(now)
+                return
+            records = self._new_records()
+            for r in records.values():
+                self.eta.record(r)
+            if event["key"] not in records:  # answered from its files (a resumed study)
+                stage = event["stage"]
+                cls = "cl" if stage == "common loss" else "qat" if stage == "qat" else \
+                    ("outliers" if event["key"].endswith("/outliers") else "ptq") if stage.startswith("ptq") else "fp"
+                self.eta.skip(cls, now)
+            result = event["result"]
+            loss = result.get("final_val_loss", result.get("delta_val_loss"))
+            msg = f"[{now - self.eta.start:7.1f}s] {event['stage']}: {event['key']} {result.get('status', 'done')}"
+            if isinstance(loss, float):
+                msg += f" ({'val loss' if 'final_val_loss' in result else 'Δ val loss'} {loss:.4f})"
+            self.write(msg)
+            self._show(now)
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.ticker.is_alive():
+            self.ticker.join(timeout=2)
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _fit(args: argparse.Namespace) -> int:

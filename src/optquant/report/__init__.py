@@ -22,7 +22,7 @@ from optquant.report.costs import cost_section
 from optquant.report.diagnostics import cl_table, correlation_table, cost_table, lr_status_table, tuning_table
 from optquant.report.fits import fit_diagnostics_table, table10, table10_joint
 from optquant.report.html import Section, page
-from optquant.report.load import StudyData, fmt_count, load_study
+from optquant.report.load import StudyData, load_study
 from optquant.report.robust import robust_section
 from optquant.report.tables import (
     Table,
@@ -124,14 +124,15 @@ def _qat_sections(d: StudyData, fig_dir: Path) -> list[Section]:
 def _header(d: StudyData) -> str:
     r = d.results
     kinds = ", ".join(f"{k}: {r.loc[r['kind'] == k, 'run_id'].nunique()}" for k in ("fp", "cl", "qat"))
-    sizes = ", ".join(f"{s} ({fmt_count(d.n_params.get(s))})" for s in d.sizes) or "none"
+    sizes = ", ".join(d.size_label(s) for s in d.sizes) or "none"
     opts = ", ".join(d.label(o) for o in d.optimizers) or "none"
     schemes = ", ".join(d.schemes("cl")) or "none"
     tasks = ", ".join(t for t in d.tasks() if t != "avg") or "none (the built-in multiple-choice task)"
     return (
         f'<p class="meta">Study directory: <code>{escape(str(d.root))}</code> · runs by kind: {kinds} · '
         f"sizes (parameters): {escape(sizes)} · optimizers: {escape(opts)} · PTQ schemes: "
-        f'{escape(schemes)} · lm-eval tasks: {escape(tasks)}</p>\n<p class="meta">{escape(machine_text(d))}</p>\n'
+        f'{escape(schemes)} · lm-eval tasks: {escape(tasks)}</p>\n<p class="meta">{escape(d.count_note())}</p>\n'
+        f'<p class="meta">{escape(machine_text(d))}</p>\n'
         f'<div class="caveat">{escape(CAVEAT)}</div>'
     )
 
@@ -182,5 +183,6 @@ def report_markdown(study_dir: str | Path) -> str:
     tables = headline_tables(d)
     if (d.root / "robust.parquet").is_file():  # issue 23's Robustness table, when the study ran the arm
         tables += [b for b in robust_section(d.root, d.root / "report" / "figures").blocks if isinstance(b, Table)]
-    head = f"## optquant study {d.spec.get('name') or d.root.name}\n\n{machine_text(d)}\n\n_{CAVEAT}_\n"
+    head = (f"## optquant study {d.spec.get('name') or d.root.name}\n\n{machine_text(d)}\n\n_{CAVEAT}_\n\n"
+            f"_{d.count_note()}_\n")
     return "\n".join([head, *(to_markdown(t) for t in tables)])

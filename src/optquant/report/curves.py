@@ -11,29 +11,42 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.figure import Figure
 
 from optquant.report.figures import Plot, grid, log_axis, missing, optimizer_legend, save
-from optquant.report.load import StudyData, fit_rho4, fmt_count, fmt_lr
+from optquant.report.load import StudyData, fit_n, fit_rho4, fmt_count, fmt_lr
 from optquant.scaling import LawFit, predict
+from optquant.stats import summarize
 
 
-def fig_scaling(d: StudyData, out: Path) -> Plot:
-    title = "Scaling — final validation loss vs parameters, FP and QAT"
-    fp = d.rows("fp", "final_val_loss", best=True)
-    qat = d.rows("qat", "final_val_loss", scheme=None)
-    if fp.empty and qat.empty:
-        return missing("scaling", title, "no best-LR FP runs or QAT runs")
+def scaling_points(d: StudyData) -> tuple[pd.DataFrame, str]:
+    """The scaling fits' points (best-LR FP and QAT final val loss) with `n_fit`, the N each fit used
+    (study/results.py `fit_n`: non-embedding where the token budget counts it), and that count's name."""
+    r = d.results
+    rows = r[(r["metric"] == "final_val_loss") & (((r["kind"] == "fp") & r["best_lr"]) | (r["kind"] == "qat"))]
+    if rows.empty:
+        return rows.assign(n_fit=pd.Series(dtype=float)), "total"
+    n, count = fit_n(rows)
+    return rows.assign(n_fit=pd.to_numeric(n, errors="coerce").astype(float)), count
+
+
+def scaling_figure(d: StudyData) -> tuple[Figure | None, str, str]:
+    """(figure, count name, why not) of the scaling curves: points and fits in the N the fits used."""
+    pts, count = scaling_points(d)
+    pts = pts[np.isfinite(pts["value"].astype(float)) & (pts["n_fit"] > 0)] if len(pts) else pts
+    if pts.empty:
+        return None, count, "no best-LR FP runs or QAT runs"
     per = (d.fits or {}).get("per_optimizer") or {}
-    opts = [o for o in d.optimizers if o in set(fp["optimizer"]) | set(qat["optimizer"])]
+    count = (d.fits or {}).get("n_count") or count
+    opts = [o for o in d.optimizers if o in set(pts["optimizer"])]
     fig, axes = grid(len(opts), h=2.8)
-    n_all = pd.concat([fp["n_params"], qat["n_params"]]).astype(float)
-    ns = np.geomspace(n_all.min() / 1.5, n_all.max() * 1.5, 100)
+    ns = np.geomspace(pts["n_fit"].min() / 1.5, pts["n_fit"].max() * 1.5, 100)
     for ax, o in zip(axes, opts, strict=True):
         c = d.color(o)
-        for df, mk, lab in ((fp, "o", "FP"), (qat, "x", "QAT W4A4")):
-            g = df[df["optimizer"] == o].groupby("n_params")["value"].mean()
+        for kind, mk, lab in (("fp", "o", "FP"), ("qat", "x", "QAT W4A4")):
+            g = pts[(pts["optimizer"] == o) & (pts["kind"] == kind)].groupby("n_fit")["value"].mean()
             if len(g):
-                ax.scatter(g.index, g.values, color=c, marker=mk, s=36, label=lab)
+                ax.scatter(g.index, g.values, color=c, marker=mk, s=36, label=lab, zorder=3)
         if o in per:
             f = LawFit.from_dict(per[o])
             ax.plot(ns, predict(f, ns), color=c, lw=1.2, label="fit, FP (ρ = 1)")
@@ -43,14 +56,24 @@ def fig_scaling(d: StudyData, out: Path) -> Plot:
         log_axis(ax, "x", fmt_count)
         ax.set_xlim(ns[0], ns[-1])
         ax.set_title(d.label(o), fontsize=9, color=c)
-        ax.set_xlabel("parameters N")
+        ax.set_xlabel(f"parameters N ({count.replace('_', '-')})")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("final val loss")
+    return fig, count, ""
+
+
+def fig_scaling(d: StudyData, out: Path) -> Plot:
+    title = "Scaling — final validation loss vs parameters, FP and QAT"
+    fig, count, why = scaling_figure(d)
+    if fig is None:
+        return missing("scaling", title, why)
+    fp, qat = d.rows("fp", "final_val_loss", best=True), d.rows("qat", "final_val_loss", scheme=None)
+    per = (d.fits or {}).get("per_optimizer") or {}
     caption = (
-        "Points from results.parquet: kind=fp best_lr=True and kind=qat, metric=final_val_loss "
-        f"({len(fp)} FP, "
-        f"{len(qat)} QAT rows). Curves from fits.json per_optimizer "
-        f"({'present' if per else 'absent: no curves'}), L = A/(N·ρ)^α + E."
+        "Points from results.parquet: kind=fp best_lr=True and kind=qat, metric=final_val_loss, mean over "
+        f"seeds ({len(fp)} FP, {len(qat)} QAT rows). Curves from fits.json per_optimizer "
+        f"({'present' if per else 'absent: no curves'}), L = A/(N·ρ)^α + E. N is the count the fits used "
+        f"(fits.json n_count: {count}), for points and curves alike."
     )
     return Plot("scaling", title, save(fig, out, "scaling"), caption)
 
@@ -63,27 +86,47 @@ def fig_lr_sweeps(d: StudyData, out: Path) -> Plot:
     diverged = d.rows("fp", "diverged")
     bad = set(diverged.loc[diverged["value"] > 0, "run_id"])
     sizes = [s for s in d.sizes if s in set(df["size"])]
+    seed0 = int(df["seed"].min())
     fig, axes = grid(len(sizes))
     for ax, s in zip(axes, sizes, strict=True):
         ds = df[df["size"] == s]
         ok = ds[~ds["run_id"].isin(bad) & np.isfinite(ds["value"])]
         for o, g in ok.groupby("optimizer"):
-            m = g.groupby("lr")["value"].mean()
-            ax.plot(m.index, m.values, marker="o", ms=4, color=d.color(o))
+            c = d.color(o)
+            per = {lr: summarize(x["value"]) for lr, x in g.groupby("lr")}
+            lrs = sorted(per)
+            ax.plot(lrs, [per[lr].mean for lr in lrs], color=c, lw=1.2)
+            one = [lr for lr in lrs if per[lr].n == 1]
+            many = [lr for lr in lrs if per[lr].n > 1]
+            ax.scatter(one, [per[lr].mean for lr in one], marker="o", s=22, facecolor="white", edgecolor=c, zorder=3)
+            if many:
+                ax.errorbar(many, [per[lr].mean for lr in many], capsize=2, fmt="o", ms=4, color=c, zorder=3,
+                            yerr=np.array([[per[lr].mean - per[lr].lo, per[lr].hi - per[lr].mean] for lr in many]).T)
             best = g[g["best_lr"]]
-            ax.scatter(best["lr"], best["value"], marker="*", s=140, color=d.color(o), edgecolor="black", zorder=3)
-        top = ax.get_ylim()[1]
-        for o, g in ds[ds["run_id"].isin(bad)].groupby("optimizer"):
-            ax.scatter(g["lr"], [top] * len(g), marker="x", s=50, color=d.color(o), clip_on=False, zorder=3)
+            if len(best):
+                lr = float(best["lr"].iloc[0])
+                ax.scatter([lr], [per[lr].mean], marker="*", s=140, color=c, edgecolor="black", zorder=4)
+                first = best.loc[best["seed"] == seed0, "value"]
+                if per[lr].n > 1 and len(first):  # the value the search compared with its neighbours
+                    ax.scatter([lr], [float(first.iloc[0])], marker="o", s=22, facecolor="white", edgecolor=c,
+                               zorder=3)
+        dv = diverged[(diverged["size"] == s) & (diverged["value"] > 0)]  # a diverged run has no final loss row
+        ax.plot(pd.concat([ds["lr"], dv["lr"]]), np.full(len(ds) + len(dv), np.nan), ls="")  # x-range: all LRs
         log_axis(ax, "x", fmt_lr)
+        top = ax.get_ylim()[1]
+        for o, g in dv.groupby("optimizer"):
+            ax.scatter(g["lr"], [top] * len(g), marker="x", s=50, color=d.color(o), clip_on=False, zorder=3)
+        ax.set_ylim(top=top)
         ax.set_xlabel("peak learning rate")
         ax.set_title(d.size_label(s), fontsize=9)
     axes[0].set_ylabel("final val loss")
     optimizer_legend(fig, d, [o for o in d.optimizers if o in set(df["optimizer"])])
     caption = (
-        f"From results.parquet kind=fp, metric=final_val_loss ({df['run_id'].nunique()} runs; "
-        "mean over seeds per LR). "
-        f"Star: the best LR. ×: diverged runs (metric diverged = 1; {len(bad)} runs), drawn at the top edge."
+        f"From results.parquet kind=fp, metric=final_val_loss ({df['run_id'].nunique()} runs). Filled points "
+        "with bars: the mean over seeds with its 95 % t-interval (the best LR, where the study ran seeds); "
+        "hollow points: one seed (the LR search runs the first seed only, and picks the best LR by that "
+        "seed's loss: the hollow point under a star is that value). Star: the best LR, at its seed mean. "
+        f"×: diverged runs (metric diverged = 1; {len(bad)} runs), drawn at the top edge."
     )
     return Plot("lr_sweeps", title, save(fig, out, "lr_sweeps"), caption)
 

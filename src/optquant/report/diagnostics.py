@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from optquant.report.figures import damage_frame, loo_range
 from optquant.report.load import StudyData, fmt, fmt_bytes, fmt_lr
 from optquant.report.tables import Table, not_run
 
@@ -168,20 +169,28 @@ def correlation_table(d: StudyData, scheme: str | None = None, target: str = "de
     sizes = [s for s in reversed(d.sizes) if s in set(c["size"])] + (["pooled"] if "pooled" in set(c["size"]) else [])
     metrics = [m for m in CORR_METRICS if m in set(c["metric"])] + sorted(set(c["metric"]) - set(CORR_METRICS))
     rows = []
+    points = damage_frame(d, scheme, tuple(metrics), target)
     for s in sizes:
         label = "pooled (all sizes)" if s == "pooled" else d.size_label(s)
+        pts = points if s == "pooled" else points[points["size"] == s]
         for x in c[c["size"] == s].set_index("metric").reindex(metrics).dropna(how="all").itertuples():
             n = f"{int(x.n)} ({int(x.n_cl)} CL)" if "n_cl" in c else str(int(x.n))
-            rows.append((label, str(x.Index), n, _r(x, "pearson"), _r(x, "spearman"), _r(x, "pearson_partial"),
-                         _r(x, "spearman_partial")))  # fmt: skip
+            lo, hi = loo_range(pts[x.Index].to_numpy(dtype=float), pts["damage"].to_numpy(dtype=float)) \
+                if x.Index in pts else (math.nan, math.nan)
+            loo = f"{lo:+.2f} … {hi:+.2f}" if np.isfinite(lo) else "–"
+            rows.append((label, str(x.Index), n, _r(x, "pearson"), loo, _r(x, "spearman"),
+                         _r(x, "pearson_partial"), _r(x, "spearman_partial")))  # fmt: skip
     caption = (
         f"From correlations.parquet (scheme={scheme}, target={target}): models are every FP sweep run and "
         "Common-Loss model with PTQ rows, diverged runs left out; n per cell. Cell: r [95 % bootstrap CI] "
-        "p. Partial: controlling for the model's FP validation loss (residuals of a linear regression, p "
-        "from t with n − 3 dof). The first size is the headline (within one size, as in the paper); pooled "
+        "p. LOO range: the smallest and largest Pearson r with one model left out (from results.parquet; a "
+        "wide range means one or a few models carry r). Partial: controlling for the model's FP validation "
+        "loss (residuals of a linear regression, p from t with n − 3 dof). The first size is the headline "
+        "(within one size, as in the paper); pooled "
         "mixes sizes whose damage differs and comes last. Δ = quantized − FP, so the paper's accuracy-based "
         "signs flip. mmr is per-token (paper.md §6.1), mmr_batchavg the authors' code's batch average."
     )
-    cols = ("size", "metric", "n", "Pearson", "Spearman", "partial Pearson (FP loss)", "partial Spearman (FP loss)")
+    cols = ("size", "metric", "n", "Pearson", "Pearson LOO range", "Spearman", "partial Pearson (FP loss)",
+            "partial Spearman (FP loss)")
     return Table(f"correlations-{scheme}", title, cols, tuple(rows), caption)
 

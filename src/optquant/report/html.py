@@ -34,7 +34,7 @@ _VERDICT_CLASS = {"supported": "yes", "contradicted": "no", "not resolved at thi
                   "not testable with this design": "untestable"}
 
 CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;max-width:1180px;margin:0 auto;
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;max-width:1320px;margin:0 auto;
  padding:1rem 1.6rem 3rem;color:#1d1d1f;line-height:1.45;background:#fff}
 h1{font-size:1.6rem;margin:.6rem 0 .2rem}
 h2{font-size:1.25rem;margin:2.2rem 0 .5rem;padding-top:.4rem;border-top:2px solid #e5e5e5}
@@ -50,9 +50,12 @@ table.data{border-collapse:collapse;font-size:12.5px;font-variant-numeric:tabula
 .ttl{font-weight:600;font-size:13.5px;margin:0 0 .25rem}
 .paper-ttl{color:#7a5c00}
 table.data th{background:#f3f3f3;font-weight:600;border-bottom:1px solid #bbb}
-table.data th,table.data td{padding:3px 7px;text-align:right;white-space:nowrap;
- border-bottom:1px solid #e3e3e3}
+table.data th,table.data td{padding:3px 6px;text-align:right;border-bottom:1px solid #e3e3e3}
+table.data th{white-space:normal;min-width:3rem;vertical-align:bottom}
+table.data td{white-space:normal}
 table.data .t{text-align:left}
+table.data td.t{min-width:4rem;max-width:22rem}
+.nw{white-space:nowrap}
 table.data td.best{font-weight:700;background:#eaf5ea}
 table.paper{background:#fbf7e9}
 table.paper th{background:#f1e9cc}
@@ -72,9 +75,16 @@ pre{font-size:11.5px;background:#f7f7f7;padding:.5rem;overflow-x:auto}
 
 SCRIPT = """
 window.addEventListener("load", function () {
-  var imgs = document.images, ok = 0;
+  var imgs = document.images, ok = 0, wide = [];
   for (var i = 0; i < imgs.length; i++) { if (imgs[i].complete && imgs[i].naturalWidth > 0) ok++; }
   document.body.dataset.figures = ok + "/" + imgs.length;
+  var boxes = document.querySelectorAll(".tbl, .pair > div");
+  for (var j = 0; j < boxes.length; j++) {
+    var t = boxes[j].querySelector("table");
+    if (t && boxes[j].scrollWidth > boxes[j].clientWidth + 1) wide.push(t.id);
+  }
+  if (document.documentElement.scrollWidth > window.innerWidth + 1) wide.push("page");
+  document.body.dataset.overflow = wide.join(" ");
 });
 """
 
@@ -96,7 +106,7 @@ def table_html(t: Table) -> str:
                 names.append("best")
             if t.columns[j] == "verdict":
                 names.append(_VERDICT_CLASS.get(v.split(":")[0], "na"))
-            cells.append(f"<td{_cls(' '.join(names))}>{e(v)}</td>")
+            cells.append(f"<td{_cls(' '.join(names))}>{_cell(v, text[j])}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     cap = f'<p class="cap">{e(t.caption)}</p>' if t.caption else ""
     ttl = "ttl paper-ttl" if t.paper else "ttl"
@@ -104,6 +114,15 @@ def table_html(t: Table) -> str:
         f'<div class="tbl"><div class="{ttl}">{e(t.title)}</div><table class="{cls}" id="{e(t.key)}">'
         f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>{cap}</div>"
     )
+
+
+def _cell(v: str, text: bool) -> str:
+    """A number cell breaks only between its parts ("mean ± sd" | "[lo, hi] (n)"), never inside one, so a
+    wide table wraps its cells instead of overflowing; a text cell wraps anywhere at spaces."""
+    if text or " [" not in v:
+        return e(v) if text else f'<span class="nw">{e(v)}</span>'
+    head, _, tail = v.partition(" [")
+    return f'<span class="nw">{e(head)}</span> <span class="nw">[{e(tail)}</span>'
 
 
 def _cls(names: str) -> str:

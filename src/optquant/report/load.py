@@ -57,6 +57,8 @@ class StudyData:
     best: dict | None = None  # best.json: "<optimizer>/<size>" -> best_lr, status, reason, ...
     blocks: dict[str, int] = field(default_factory=dict)  # size -> transformer blocks (study.json, else a run's config)
     machine: dict = field(default_factory=dict)  # study.json's `machine`: CPU, bf16, precision, threads, commit
+    n_count: str = "total"  # what n_params counts: the token budget's (and the fits') N, "non_embedding" or "total"
+    n_other: dict[str, float] | None = None  # the other count per size (with the embedding, or without), for notes
 
     # ---------------------------------------------------------------- row selection
     def rows(self, kind: str, metric: str, scheme: str | None = "none", best: bool | None = None) -> pd.DataFrame:
@@ -175,8 +177,17 @@ class StudyData:
         return _EXTRA_COLORS[extra.index(opt) % len(_EXTRA_COLORS)] if opt in extra else "#333333"
 
     def size_label(self, size: str) -> str:
+        """The size with its one parameter count (`n_count`) everywhere in the report."""
         n = self.n_params.get(size)
         return f"{size} ({fmt_count(n)})" if n else size
+
+    def count_note(self) -> str:
+        """Which count `size_label` shows, and the other one per size."""
+        rest = ", ".join(f"{s} {fmt_count(n)}" for s in self.sizes if (n := (self.n_other or {}).get(s)))
+        if self.n_count == "non_embedding":
+            return ("Parameter counts are non-embedding, the N the token budget and the scaling fits count"
+                    + (f"; with the embedding: {rest}." if rest else "."))
+        return "Parameter counts include the embedding" + (f"; without it: {rest}." if rest else ".")
 
 
 def load_study(study_dir: str | Path) -> StudyData:
@@ -185,10 +196,16 @@ def load_study(study_dir: str | Path) -> StudyData:
         raise OptquantError(f"study directory {root} does not exist")
     info = _optional(read_json, root / "study.json") or {}
     results = _read_results(root / "results.parquet")
-    sizes_info = info.get("sizes") or {}
-    n_params = {s: float(v.get("n_params", math.nan)) for s, v in sizes_info.items() if isinstance(v, dict)}
+    sizes_info = {s: v for s, v in (info.get("sizes") or {}).items() if isinstance(v, dict)}
+    total = {s: float(v.get("n_params", math.nan)) for s, v in sizes_info.items()}
+    non_emb = {s: float(v["n_params_non_embedding"]) for s, v in sizes_info.items() if "n_params_non_embedding" in v}
     for s, g in results.groupby("size"):
-        n_params.setdefault(str(s), float(g["n_params"].median()))
+        total.setdefault(str(s), float(g["n_params"].median()))
+        if "n_params_non_embedding" in g and g["n_params_non_embedding"].notna().any():
+            non_emb.setdefault(str(s), float(g["n_params_non_embedding"].median()))
+    budget = set(results["budget_params"].dropna()) if "budget_params" in results else set()
+    n_count = "non_embedding" if budget == {"non_embedding"} and non_emb else "total"
+    n_params, n_other = (non_emb, total) if n_count == "non_embedding" else (total, non_emb)
     sizes = tuple(sorted(set(n_params) | set(results["size"]), key=lambda s: (n_params.get(s, math.inf), s)))
     optimizers = tuple(by_label(set(results["optimizer"])))
     return StudyData(
@@ -203,6 +220,8 @@ def load_study(study_dir: str | Path) -> StudyData:
         best=_optional(read_json, root / "best.json"),
         blocks=_blocks(root, sizes_info, results),
         machine=info.get("machine") or {},
+        n_count=n_count,
+        n_other=n_other,
     )
 
 
@@ -254,6 +273,18 @@ def _one_norm(df: pd.DataFrame | None) -> pd.DataFrame | None:
 
 
 # ---------------------------------------------------------------- fits.json
+def fit_n(df: pd.DataFrame) -> tuple[pd.Series, str]:
+    """Per row, the parameter count the run's token budget used, and its name: the scaling fits' N
+    (optquant.study.results), which the report's figure draws in too. A results.parquet written before
+    the budget columns existed falls back to the total count."""
+    if "budget_params" not in df or "n_params_non_embedding" not in df:
+        log.warning("results.parquet has no budget_params column; fitting total parameter counts")
+        return df["n_params"], "total (results.parquet predates budget_params)"
+    non_emb = df["budget_params"] == "non_embedding"
+    n = df["n_params_non_embedding"].where(non_emb, df["n_params"])
+    return n, "/".join(sorted(set(df["budget_params"].dropna()))) or "total"
+
+
 def fit_rho4(rho: object) -> float:
     """ρ_4bit from either a number or optquant.scaling's {"4bit": x}."""
     if isinstance(rho, dict):

@@ -17,14 +17,16 @@ Left out on purpose: re-deriving the paper's accuracy numbers from ours.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import pandas as pd
 
 from optquant.report.load import StudyData, fmt_lr
 from optquant.report.paper import LABELS, PaperGrid
-from optquant.stats import ALPHA, NOT_RESOLVED, Ranking, min_p, rank_with_ties, summarize
+from optquant.stats import ALPHA, NOT_RESOLVED, Ranking, Summary, min_p, rank_with_ties, summarize
 
 NOT_RUN = "not run in this study"
 
@@ -104,13 +106,14 @@ def seed_table(d: StudyData, key: str, title: str, quantities: Sequence[Quantity
                   key=lambda k: (d.sizes.index(k[0]) if k[0] in d.sizes else 99, _order(d, k[1])))  # fmt: skip
     rows: list[tuple[str, ...]] = []
     bold: set[tuple[int, int]] = set()
+    summary = {(s, o, q.label): summarize(f.loc[(f["size"] == s) & (f["optimizer"] == o), "value"] * q.scale)
+               for q in quantities for f in [frames[q.label]] for s, o in keys}
+    digits = {q.label: column_digits([summary[(s, o, q.label)] for s, o in keys], q.digits) for q in quantities}
     for s, o in keys:
         row = [d.size_label(s), d.label(o)]
         for j, q in enumerate(quantities):
-            f = frames[q.label]
-            v = f.loc[(f["size"] == s) & (f["optimizer"] == o), "value"]
             r = ranks.get(q.label, ({}, None))[0].get(s)
-            row += [summarize(v * q.scale).text(q.digits, q.signed), r.label(o) if r and o in r.rank else "–"]
+            row += [summary[(s, o, q.label)].text(digits[q.label], q.signed), r.label(o) if r and o in r.rank else "–"]
             if r and r.rank.get(o) == 1 and not r.tied(o):
                 bold.add((len(rows), 2 + 2 * j))
         rows.append(tuple(row))
@@ -124,8 +127,22 @@ def seed_table(d: StudyData, key: str, title: str, quantities: Sequence[Quantity
                 row += [f"(n={n} units)", pooled.label(o) if pooled and o in pooled.rank else "–"]
             rows.append(tuple(row))
     first = next(iter(ranks.values()), ({}, None))
-    caption = f"From results.parquet: {source}. Interval: Student-t 95 % over seeds." + _rank_note(*first)
+    caption = (f"From results.parquet: {source}. Interval: Student-t 95 % over seeds; each column's decimals are "
+               "those of its median half-interval to one significant digit (two from 1.0 to 1.9)."
+               + _rank_note(*first))
     return Table(key, title, tuple(cols), tuple(rows), caption, bold=frozenset(bold))
+
+
+def column_digits(summaries: Sequence[Summary], most: int) -> int:
+    """Decimals a column's intervals support: the median 95 % half-width over its cells to one significant
+    digit, two when that digit is 1 (0.0041 → 3 decimals, 0.012 → 3, 0.02 → 2; the Particle Data Group's
+    rounding); at most `most`, and `most` where no cell has an interval (one seed)."""
+    half = [(x.hi - x.lo) / 2 for x in summaries if x.n > 1 and math.isfinite(x.hi - x.lo) and x.hi > x.lo]
+    if not half:
+        return most
+    h = float(np.median(half))
+    e = math.floor(math.log10(h))
+    return int(min(most, max(0, (2 if h / 10**e < 2 else 1) - 1 - e)))
 
 
 def _order(d: StudyData, o: str) -> int:

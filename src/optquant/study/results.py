@@ -201,17 +201,6 @@ def _col(value: str, method: str) -> str:
     return {"r": method, "ci_low": f"{method}_lo", "ci_high": f"{method}_hi", "p": f"{method}_p"}[value]
 
 
-def _fit_n(df: pd.DataFrame) -> tuple[pd.Series, str]:
-    """Per row, the parameter count the run's token budget used (see the module docstring), and its name.
-    A results.parquet written before the budget columns existed falls back to the total count."""
-    if "budget_params" not in df or "n_params_non_embedding" not in df:
-        log.warning("results.parquet has no budget_params column; fitting total parameter counts")
-        return df["n_params"], "total (results.parquet predates budget_params)"
-    non_emb = df["budget_params"] == "non_embedding"
-    n = df["n_params_non_embedding"].where(non_emb, df["n_params"])
-    return n, "/".join(sorted(set(df["budget_params"].dropna()))) or "total"
-
-
 def fits(df: pd.DataFrame, interval: str = "bootstrap", map_fn: Callable = map) -> dict[str, Any]:
     """Each optimizer's law and the joint fit. They are independent (each bootstrap seeds its own
     generator), so `map_fn` may run them in parallel (a study passes its worker pool's map), joint first:
@@ -220,7 +209,9 @@ def fits(df: pd.DataFrame, interval: str = "bootstrap", map_fn: Callable = map) 
     if (rows.kind == "qat").any() and "bits" not in rows:
         raise OptquantError("results.parquet has QAT rows without a bits column (written before optquant "
                             "recorded it): rerun optquant study in that directory to rewrite it")
-    n, n_count = _fit_n(rows)
+    from optquant.report.load import fit_n  # the report draws the fits in the same N
+
+    n, n_count = fit_n(rows)
     points = [ScalingPoint(r.optimizer, float(r.n_fit), float(r.value), quantized=r.kind == "qat",
                            bits=int(r.bits) if r.kind == "qat" else 4,
                            seed=None if pd.isna(r.seed) else int(r.seed))

@@ -1,0 +1,72 @@
+"""Benchmark: the study's ETA on a recorded study, before (tqdm's job-count ETA) and after (the cost model).
+
+Replays a study's costs.jsonl in order of completion (optquant.study.progress `replay`) and prints, at 10,
+50 and 90 % of the study's wall time and of its jobs, the true remaining time (to the last job's end), each
+ETA and its error. The old ETA is what `optquant study` showed before issue 22: tqdm's rate (EMA,
+smoothing 0.3) over a job total of `estimate_jobs(spec)`, grown when exceeded.
+
+Run: python benchmarks/eta.py STUDY_DIR  (reads STUDY_DIR/study.json and STUDY_DIR/costs.jsonl), or
+python benchmarks/eta.py tests/data/costs-cpu.jsonl (the fixture, its study-cpu.json beside it).
+`--fixture NAME` writes tests/data/costs-NAME.jsonl and study-NAME.json from a study directory, with only
+the fields the replay reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from optquant.study.progress import replay, spec_from_dict
+
+FIELDS = ("stage", "optimizer", "size", "start", "end", "seconds")
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+
+
+def load(path: Path) -> tuple[dict, list[dict]]:
+    """(study.json, the costs.jsonl records) of a study directory or of a fixture file."""
+    if path.is_dir():
+        study, costs = path / "study.json", path / "costs.jsonl"
+    else:
+        study, costs = path.with_name(path.name.replace("costs-", "study-").replace(".jsonl", ".json")), path
+    records = []
+    for line in costs.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return json.loads(study.read_text()), records
+
+
+def checkpoints(study: dict, records: list[dict]) -> list[dict]:
+    """At 10/50/90 % of the wall time and of the jobs: the replay's row (t, jobs, true, eta, old)."""
+    rows = replay(spec_from_dict(study["spec"]), records)
+    total = rows[-1]["t"] + rows[-1]["true"]
+    out = []
+    for f in (0.1, 0.5, 0.9):
+        out.append({"at": f"{f:.0%} of the time", **next(r for r in rows if r["t"] >= f * total)})
+        out.append({"at": f"{f:.0%} of the jobs", **next(r for r in rows if r["jobs"] >= f * len(rows))})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("path", type=Path)
+    p.add_argument("--fixture", help="write tests/data/costs-NAME.jsonl and study-NAME.json")
+    args = p.parse_args()
+    study, records = load(args.path)
+    if args.fixture:
+        lines = [json.dumps({k: r.get(k) for k in FIELDS}) for r in sorted(records, key=lambda r: r["end"])]
+        (DATA / f"costs-{args.fixture}.jsonl").write_text("\n".join(lines) + "\n")
+        (DATA / f"study-{args.fixture}.json").write_text(json.dumps({"spec": study["spec"]}, indent=1) + "\n")
+    print(f"{len(records)} jobs; wall {max(r['end'] for r in records) - min(r['start'] for r in records):.0f} s\n")
+    print("| at | elapsed s | jobs done | true remaining s | old ETA s | old error | new ETA s | new error |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in checkpoints(study, records):
+        err = {k: f"{100 * (r[k] - r['true']) / r['true']:+.0f} %" if r["true"] > 0 else "–" for k in ("old", "eta")}
+        print(f"| {r['at']} | {r['t']:.0f} | {r['jobs']} | {r['true']:.0f} | {r['old']:.0f} | {err['old']} | "
+              f"{r['eta']:.0f} | {err['eta']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""A study's ETA from the cost model, corrected by the measured time of every finished job.
+
+Counting jobs makes a poor clock: a study's jobs differ a thousandfold in cost (a PTQ job takes a
+second, a QAT run at the largest size minutes), and the slow QAT stage comes after the fast PTQ jobs. So
+the plan is priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start: its
+expected job count (the dry run's stages, study/budget.py, with one LR extension round per search as
+`estimate_jobs` assumes and half of any other upper bound) and a prior cost per job (training FLOPs, or
+PTQ forward passes, at `CPU_FLOPS`; half the CL upper bound). Each costs.jsonl record (study/executor.py)
+then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best
+LR's runs, under the machine's current load); for CL and QAT, its FP twin's mean times the CL/FP or
+QAT/FP ratio measured in other cells; the prior scaled by the measured/prior ratio of the same class and
+optimizer, then class, then all jobs. A later class appearing ends the earlier ones (their counts become
+what ran: extensions that never came are dropped), and the PTQ counts are recomputed from the FP
+runs that actually finished.
+
+remaining wall time = remaining worker-seconds / measured parallelism (worker-seconds done per second of
+wall time, between 1 and `workers`) − the time since the last completion; the display counts down
+between completions. `replay` runs the same estimator, and tqdm's own job-count ETA for comparison,
+over a recorded costs.jsonl (tests/test_progress.py, benchmarks/eta.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from optquant.study.spec import StudySpec, estimate_jobs, run_config
+
+CPU_FLOPS = 2e9  # prior effective FLOP/s of one CPU worker on these small models; corrected by the first jobs
+QAT_OVER_FP = 1.3  # prior QAT/FP cost ratio (QuEST's quantizers), corrected once a QAT run finishes
+ORDER = {"fp": 0, "cl": 1, "ptq": 2, "outliers": 2, "qat": 3}  # the pipeline's order of stage classes
+RECENT = 3  # a cell's estimate is the mean of its last RECENT jobs
+PRIOR_WEIGHT_S = 60.0  # the parallelism prior counts as this many seconds of observed wall time
+
+
+@dataclass
+class Cell:
+    planned: float  # jobs expected (corrected as the study runs)
+    prior: float  # seconds per job before any measurement
+    done: int = 0
+    seconds: float = 0.0  # measured worker-seconds of the done jobs
+    recent: list[float] = field(default_factory=list)  # the last RECENT jobs' seconds
+
+    @property
+    def mean(self) -> float:
+        """Seconds per job from the latest jobs: they run at the LR the later ones use (not a diverged or
+        early-stopped sweep point) and under the machine's current load."""
+        return sum(self.recent) / len(self.recent) if self.recent else math.nan
+
+
+def expected(stage: str, spec: StudySpec) -> float:
+    """The share of a dry-run stage's upper bound (study/budget.py) a study is expected to run: one of the
+    `lr_extensions` rounds (what `estimate_jobs` assumes), half of any other bound, all of the rest."""
+    if "extension" in stage:
+        return min(1.0, 1 / max(1, spec.lr_extensions))
+    return 0.5 if "bound" in stage else 1.0
+
+
+def plan_cells(spec: StudySpec) -> dict[tuple[str, str, str], Cell]:
+    """(class, optimizer, size) → its expected jobs and prior seconds per job, from the StudySpec alone:
+    the dry run's stages (study/budget.py `stages`, scaled by `expected`) and its FLOPs."""
+    from collections import Counter
+
+    from optquant.budget import DEFAULT_PLAN
+    from optquant.study.budget import cl_fraction, run_budgets, stages
+
+    budgets = run_budgets(spec, DEFAULT_PLAN)
+    runs: dict[str, Counter] = {c: Counter() for c in ("fp", "cl", "qat", "sweeps")}
+    for st in stages(spec):
+        cls = "cl" if st.name.startswith("common loss") else "qat" if st.name == "qat" else \
+            "sweeps" if st.name.startswith("sweeps") else "fp"
+        for k, n in st.train_runs.items():
+            runs[cls][k] += n * expected(st.name, spec)
+    n_seeds, out = len(spec.seeds), {}
+    for (o, s), b in budgets.items():
+        tc, mc = run_config(spec, s, o).train, run_config(spec, s, o).model
+        forward = 2.0 * b.n_params * tc.eval_batches * tc.batch_size * mc.seq_len / CPU_FLOPS
+        train, fp = b.flops / CPU_FLOPS, runs["fp"][(o, s)]
+        out[("fp", o, s)] = Cell(fp + runs["sweeps"][(o, s)], train)
+        # cl_fraction is an upper bound (a CL run stops at its crossing, on average halfway through the interval)
+        out[("cl", o, s)] = Cell(runs["cl"][(o, s)], train * cl_fraction(spec, o, s, b) / 2)
+        out[("ptq", o, s)] = Cell(n_seeds * len(spec.ptq_schemes) + fp * len(spec.sweep_ptq_schemes), 12 * forward)
+        if not spec.sweep_ptq_schemes:
+            out[("outliers", o, s)] = Cell(fp, 2 * forward)
+        out[("qat", o, s)] = Cell(runs["qat"][(o, s)], train * QAT_OVER_FP)
+    return {k: c for k, c in out.items() if c.planned > 0}
+
+
+class CostETA:
+    """The remaining wall time of a study, from its planned cells and the jobs measured so far."""
+
+    def __init__(self, spec: StudySpec, start: float, cells: dict | None = None):
+        self.spec, self.start, self.t_last = spec, start, start
+        self.cells = plan_cells(spec) if cells is None else cells
+        self.workers = max(1, spec.workers if spec.executor == "local" else 1)
+        self.busy, self.phase, self.jobs = 0.0, 0, 0
+
+    # ---------------------------------------------------------------- measurements
+    def record(self, r: dict) -> None:
+        """One costs.jsonl line: a job of class r["stage"] at (optimizer, size) took r["seconds"]."""
+        key = (r.get("stage"), r.get("optimizer"), r.get("size"))
+        cell = self.cells.setdefault(key, Cell(0.0, self._class_mean(key[0])))
+        cell.done, cell.seconds = cell.done + 1, cell.seconds + float(r["seconds"])
+        cell.recent = [*cell.recent, float(r["seconds"])][-RECENT:]
+        cell.planned = max(cell.planned, cell.done)
+        self.busy, self.jobs, self.t_last = self.busy + float(r["seconds"]), self.jobs + 1, max(self.t_last, r["end"])
+        self._advance(ORDER.get(key[0], self.phase))
+
+    def skip(self, cls: str, now: float) -> None:
+        """A job of class `cls` answered from its files (a resumed study): one planned job fewer."""
+        open_cells = [c for (k, *_), c in self.cells.items() if k == cls and c.planned > c.done]
+        if open_cells:
+            max(open_cells, key=lambda c: c.planned - c.done).planned -= 1
+        self.jobs, self.t_last = self.jobs + 1, max(self.t_last, now)
+
+    def _advance(self, phase: int) -> None:
+        """A job of a later class ran: the earlier classes are over (their counts become what ran), and
+        the PTQ/outlier counts follow from the FP runs that finished."""
+        if phase <= self.phase:
+            return
+        self.phase = phase
+        for (cls, o, s), c in self.cells.items():
+            if ORDER.get(cls, 0) < phase:
+                c.planned = c.done
+            elif cls in ("ptq", "outliers") and ("fp", o, s) in self.cells:
+                fp = self.cells[("fp", o, s)].done - (sum(len(v) for v in self.spec.sweeps.get(o, {}).values())
+                                                       if s == self.spec.sizes[0] else 0)
+                per_fp = len(self.spec.sweep_ptq_schemes) if cls == "ptq" else 1
+                c.planned = (len(self.spec.seeds) * len(self.spec.ptq_schemes) if cls == "ptq" else 0) + fp * per_fp
+
+    # ---------------------------------------------------------------- estimates
+    def _class_mean(self, cls: str) -> float:
+        done = [c for (k, *_), c in self.cells.items() if k == cls and c.done]
+        return sum(c.seconds for c in done) / sum(c.done for c in done) if done else 1.0
+
+    def _scale(self, cls: str | None, opt: str | None) -> float:
+        """Measured seconds over prior seconds of the done jobs of that class and optimizer (None: any)."""
+        done = [c for (k, o, _), c in self.cells.items() if c.done and c.prior > 0
+                and (cls is None or k == cls) and (opt is None or o == opt)]
+        prior = sum(c.prior * c.done for c in done)
+        return sum(c.seconds for c in done) / prior if prior > 0 else math.nan
+
+    def _twin_ratio(self, cls: str) -> float:
+        """Geometric mean over the cells with both of (class mean) / (its FP twin's mean)."""
+        logs = [math.log(c.mean / f.mean) for (k, o, s), c in self.cells.items() if k == cls and c.done
+                if (f := self.cells.get(("fp", o, s))) is not None and f.done and c.mean > 0 and f.mean > 0]
+        return math.exp(sum(logs) / len(logs)) if logs else math.nan
+
+    def per_job(self, key: tuple[str, str, str]) -> float:
+        cell = self.cells[key]
+        if cell.done:
+            return cell.mean
+        cls, o, s = key
+        fp = self.cells.get(("fp", o, s))
+        if cls in ("cl", "qat") and fp is not None and fp.done:
+            ratio = self._twin_ratio(cls)
+            return fp.mean * (ratio if math.isfinite(ratio) else cell.prior / fp.prior)
+        for scale in (self._scale(cls, o), self._scale(cls, None), self._scale(None, o), self._scale(None, None)):
+            if math.isfinite(scale):
+                return cell.prior * scale
+        return cell.prior
+
+    def remaining_work(self) -> float:
+        """Worker-seconds of the jobs still to run."""
+        return sum(max(c.planned - c.done, 0.0) * self.per_job(k) for k, c in self.cells.items())
+
+    def parallelism(self) -> float:
+        span = self.t_last - self.start
+        p = (self.busy + self.workers * PRIOR_WEIGHT_S) / (span + PRIOR_WEIGHT_S)
+        return min(max(p, 1.0), float(self.workers))
+
+    def eta(self, now: float) -> float:
+        """Seconds of wall time left, counting down from the last completion."""
+        return max(self.remaining_work() / self.parallelism() - (now - self.t_last), 0.0)
+
+    def fraction(self, now: float) -> float:
+        """Share of the estimated whole study's wall time that has passed."""
+        elapsed = now - self.start
+        return elapsed / (elapsed + self.eta(now)) if elapsed > 0 else 0.0
+
+    def total_jobs(self) -> int:
+        return round(sum(max(c.planned, c.done) for c in self.cells.values()))
+
+
+def spec_from_dict(d: dict) -> StudySpec:
+    """The StudySpec of a study.json "spec" (lists back to tuples; keys this version lacks are dropped)."""
+    from optquant.harness import HarnessConfig
+
+    names = {f.name for f in dataclasses.fields(StudySpec)}
+    tup = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
+    tup["lrs"] = {k: tuple(v) for k, v in d.get("lrs", {}).items()}
+    tup["per_optimizer"] = {k: tuple(v) for k, v in d.get("per_optimizer", {}).items()}
+    tup["sweeps"] = {o: {p: tuple(v) for p, v in ps.items()} for o, ps in d.get("sweeps", {}).items()}
+    ev = d.get("eval") or {}
+    tup["eval"] = HarnessConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ev.items()})
+    return StudySpec(**tup)
+
+
+def replay(spec: StudySpec, records: list[dict], start: float | None = None) -> list[dict]:
+    """Feed a recorded costs.jsonl in order of completion; after each job: the time, jobs done, the true
+    remaining time (to the last job's end), this module's ETA and tqdm's job-count ETA as `optquant
+    study` showed it before (total = estimate_jobs, grown when exceeded; tqdm's EMA rate, smoothing 0.3)."""
+    from tqdm.std import EMA
+
+    records = sorted(records, key=lambda r: r["end"])
+    start = min(r["start"] for r in records) if start is None else start
+    end, est = records[-1]["end"], CostETA(spec, start)
+    total, dn, dt, last_t, last_n, out = estimate_jobs(spec), EMA(0.3), EMA(0.3), start, 0, []
+    for i, r in enumerate(records, 1):
+        est.record(r)
+        t = r["end"]
+        total = max(total, i)
+        if t - last_t >= 0.1:  # tqdm's mininterval
+            dn(i - last_n)
+            dt(t - last_t)
+            last_t, last_n = t, i
+        rate = dn() / dt() if dt() else math.nan
+        old = (total - i) / rate if rate and math.isfinite(rate) else math.nan
+        out.append({"t": t - start, "jobs": i, "true": end - t, "eta": est.eta(t), "old": old})
+    return out
