@@ -45,6 +45,7 @@ from optquant.data import check_enough, fixed_batches, get_batch, load_tokens
 from optquant.device import use_bf16
 from optquant.errors import OptquantError
 from optquant.evaluate import val_loss
+from optquant.files import open_nofollow
 from optquant.model import LM, count_params, lm_loss
 from optquant.optim import build_optimizers, ns_dtype, state_bytes
 from optquant.runs import read_summary, truncate_metrics, write_config
@@ -204,6 +205,9 @@ def _resume(r: _Loop) -> dict[str, Any]:
     if not ckpt.exists():
         return {"step": 0, "best_val": math.inf, "cl_step": None, "train_time": 0.0, "timed_steps": 0}
     saved = load_checkpoint(ckpt, r.model)
+    if saved["loop"]["step"] > r.steps:
+        raise OptquantError(f"{ckpt} is at step {saved['loop']['step']}, past this run's {r.steps} steps; delete "
+                            "it to train this run from scratch")
     _load_optimizer_states(ckpt, r.cfg, r.optimizers, saved)
     rngs = saved["rng"] if isinstance(saved["rng"], list) else [saved["rng"]]
     if len(rngs) != r.ctx.world_size:
@@ -373,7 +377,7 @@ def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: 
                  val_loss: float) -> dict:
     record = {"step": state["step"], "train_loss": loss, "val_loss": val_loss,
               "lr": cfg.optim.lr * mult, "tokens": state["step"] * cfg.train.batch_size * cfg.model.seq_len}
-    with open(run_dir / "metrics.jsonl", "a") as f:
+    with os.fdopen(open_nofollow(run_dir / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
         f.write(json.dumps(record) + "\n")
     return record
 
