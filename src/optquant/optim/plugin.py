@@ -54,7 +54,7 @@ def _import_module(spec: str):
         sys.modules[name] = module
         try:
             module_spec.loader.exec_module(module)
-        except Exception as e:  # the user's code, not ours: whatever it raises is their bad input
+        except (Exception, SystemExit) as e:  # the user's code, not ours: whatever it raises is bad input
             del sys.modules[name]
             raise OptquantError(f"optimizer plugin {spec!r} failed to import: {_describe(e)}") from None
         return module
@@ -67,7 +67,7 @@ def _import_module(spec: str):
             raise OptquantError(f"optimizer plugin {spec!r} failed to import: {_describe(e)}") from None
         raise OptquantError(f"optimizer plugin {spec!r}: module {e.name!r} not found (on sys.path or in "
                             f"{Path.cwd()})") from None
-    except Exception as e:  # the user's code, not ours
+    except (Exception, SystemExit) as e:  # the user's code, not ours
         raise OptquantError(f"optimizer plugin {spec!r} failed to import: {_describe(e)}") from None
 
 
@@ -93,7 +93,7 @@ def load_factory(name: str) -> Callable:
             return None
         try:
             factory = points[0].load()
-        except Exception as e:  # the installed package's code, not ours
+        except (Exception, SystemExit) as e:  # the installed package's code, not ours
             raise OptquantError(f"optimizer plugin {name!r} failed to load: {_describe(e)}") from None
     if not callable(factory):
         raise OptquantError(f"optimizer plugin {name!r} is not callable")
@@ -141,7 +141,7 @@ class PluginConfig:
                                 f"(in a study: lrs.{self.name}=...)")
         try:
             out = load_factory(self.name)(groups, self.lr)
-        except Exception as e:  # the user's factory, not ours
+        except (Exception, SystemExit) as e:  # the user's factory, not ours
             raise OptquantError(f"optimizer plugin {self.name!r} raised in its factory: {_describe(e)}") from None
         optimizers = list(out) if isinstance(out, list | tuple) else [out]
         if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
