@@ -339,3 +339,16 @@ def test_report_on_a_damaged_best_json_is_an_error(tiny_study, tmp_path, capsys)
     (copy / "best.json").write_text(json.dumps({k: {**v, "best_lr": "high"} for k, v in best.items()}))
     assert main(["report", str(copy)]) == 2
     one_line_error(capsys, "best.json", "best_lr")
+
+
+def test_a_study_meeting_a_damaged_ptq_result_names_it(tiny_study, tmp_path):
+    from optquant.errors import OptquantError
+    from optquant.study.plan import run_study
+
+    spec, root = tiny_study
+    copy = tmp_path / "study"
+    shutil.copytree(root, copy)
+    result = next((copy / "runs").glob("*/ptq/cl/w4a4-rtn/summary.json"))
+    result.write_text(json.dumps({**json.loads(result.read_text()), "val_loss_q": "low"}))
+    with pytest.raises(OptquantError, match="summary.json: field 'val_loss_q'.*delete .*w4a4-rtn to redo it"):
+        run_study(spec, copy)
