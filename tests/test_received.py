@@ -154,7 +154,7 @@ def test_a_checkpoint_past_the_runs_total_is_an_error_not_done(runs, tmp_path, c
     save_file(tensors, str(ckpt), metadata={"structure": structure})
     source = json.loads((run / "config.json").read_text())["config"]["data"]["source"]
     assert main(["train", *nano_args(source, run.parent)]) == 2
-    one_line_error(capsys, "checkpoint.safetensors", "past this run's 4 steps")
+    one_line_error(capsys, "checkpoint.safetensors", "not within this run's 4 steps")
     assert not (run / "summary.json").exists()
     save_file(tensors, str(ckpt), metadata={"structure": "{not json"})
     assert main(["train", *nano_args(source, run.parent)]) == 2

@@ -216,10 +216,6 @@ def load_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
         raise OptquantError(f"{path}: the checkpoint's state metadata is corrupt ({type(e).__name__}: {e}); "
                             "delete it to train this run from scratch") from None
-    if not (isinstance(state, dict) and isinstance(state.get("loop"), dict)
-            and isinstance(state["loop"].get("step"), int) and state["loop"]["step"] >= 0):
-        raise OptquantError(f"{path}: the checkpoint's state has no loop step; delete it to train this run "
-                            "from scratch")
     return state
 
 

@@ -86,8 +86,9 @@ def read_summary(path: Path) -> dict[str, Any] | None:
     if not isinstance(record, dict) or record.get("status") not in ("done", "diverged"):
         raise OptquantError(f"{summary}: not an optquant run summary{redo}")
     check_record(summary, record, SUMMARY_FIELDS, redo)
-    if record["status"] == "done" and not isinstance(record.get("final_val_loss"), NUMBER):
-        raise OptquantError(f"{summary}: status 'done' without a final_val_loss{redo}")
+    for key in ("final_val_loss", "best_val_loss"):  # a finished run evaluated at its last step
+        if record["status"] == "done" and not isinstance(record.get(key), NUMBER):
+            raise OptquantError(f"{summary}: status 'done' without a {key}{redo}")
     return record
 
 

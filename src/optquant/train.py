@@ -205,9 +205,11 @@ def _resume(r: _Loop) -> dict[str, Any]:
     if not ckpt.exists():
         return {"step": 0, "best_val": math.inf, "cl_step": None, "train_time": 0.0, "timed_steps": 0}
     saved = load_checkpoint(ckpt, r.model)
-    if saved["loop"]["step"] > r.steps:
-        raise OptquantError(f"{ckpt} is at step {saved['loop']['step']}, past this run's {r.steps} steps; delete "
-                            "it to train this run from scratch")
+    step = saved.get("loop", {}).get("step") if isinstance(saved, dict) and isinstance(saved.get("loop"), dict) \
+        else None
+    if type(step) is not int or not 0 <= step <= r.steps:
+        raise OptquantError(f"{ckpt} is at step {step!r}, not within this run's {r.steps} steps; delete it to "
+                            "train this run from scratch")
     _load_optimizer_states(ckpt, r.cfg, r.optimizers, saved)
     rngs = saved["rng"] if isinstance(saved["rng"], list) else [saved["rng"]]
     if len(rngs) != r.ctx.world_size:
