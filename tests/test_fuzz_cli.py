@@ -1,6 +1,10 @@
 """Fuzzing the CLI (Hypothesis): whatever a user types or feeds it, optquant answers with exit 0, or with
 exit 2, one line on stderr and no new run directory. Never a traceback.
 
+Issue 21 added files received from others: HF folders (config.json fields, weights cut short or replaced,
+--seq-len), optimizer plugin files assembled from failing and working parts, study `--set` values run
+both with --dry-run and for real, and damaged run summaries and results.parquet cells (see that section).
+
 Inputs: `--set` keys drawn from the real config fields (every section, every optimizer) and from hostile
 strings, with values of every type and hostile strings; random TOML files (valid TOML of random tables
 and values, and random text and bytes); random bytes as a corpus file, a checkpoint, a run's config,
@@ -305,3 +309,276 @@ def test_fuzz_run_and_study_files(tmp_path, capsys, real_files, case):
 @given(case=FILE_CASE)
 def test_fuzz_run_and_study_files_long(tmp_path, capsys, real_files, case):
     _file_case(tmp_path, capsys, real_files, *case)
+
+
+# --- issue 21: received HF folders, plugin files, study settings, damaged summaries and results ----------
+# Oracles beyond "exit 0 or one line + exit 2": exit 0 means stderr is empty (no load report of weights
+# initialised at random), a study setting gets the same answer from --dry-run and the real run (which
+# must fail at the missing corpus, never train, when the setting is valid), and a damaged record is
+# never accepted with exit 0.
+
+
+@pytest.fixture(scope="module")
+def hf_export(tmp_path_factory, corpus):
+    """An HF folder as `optquant export` writes it (config, weights, tokenizer), from a Llama-variant run."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("fuzz-hf")
+    sets = _nano_sets(corpus, steps=2) + ["--set=model.arch=llama"]
+    assert main(["train", "--preset", "nano", "--out", str(root / "runs"), "--quiet", *sets]) == 0
+    assert main(["export", str(next((root / "runs").iterdir())), "--hf", str(root / "hf")]) == 0
+    return root / "hf"
+
+
+HF_KEYS = ["model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+           "vocab_size", "intermediate_size", "head_dim", "max_position_embeddings", "tie_word_embeddings",
+           "rms_norm_eps", "architectures"]
+HF_VALUES = st.one_of(st.sampled_from([0, -1, 1, 2, 3, 7, 8, 16, 64, 320, 2**40, 1.5, True, None, "x", [], {},
+                                       "llama", "qwen3", "qwen2", "mistral", "olmo2", "gpt2"]),
+                      st.integers(-3, 40))
+HF_CASE = st.one_of(
+    st.tuples(st.just("config"), st.dictionaries(st.sampled_from(HF_KEYS), HF_VALUES, min_size=1, max_size=3)),
+    st.tuples(st.just("weights"), st.one_of(st.integers(0, 4000).map(lambda n: ("truncate", n)),
+                                            st.binary(max_size=200))),
+    st.tuples(st.just("config-bytes"), st.one_of(st.binary(max_size=100),
+                                                 st.sampled_from([b"[]", b"null", b"{}", b'{"model_type": 1}']))),
+    st.tuples(st.just("seq-len"), st.integers(-2, 3)))
+
+
+def _hf_case(tmp_path, capsys, hf_export, corpus, case):
+    kind, change = case
+    path = tmp_path / "hf"
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(hf_export, path)
+    seq_len = 16
+    if kind == "config":
+        import json
+
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **change}))
+    elif kind == "weights":
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data[: change[1]] if isinstance(change, tuple) else change)
+    elif kind == "config-bytes":
+        (path / "config.json").write_bytes(change)
+    else:
+        seq_len = change
+    out = tmp_path / "hf-out"
+    shutil.rmtree(out, ignore_errors=True)
+    argv = ["analyze", "--hf", str(path), "--data", str(corpus), "--seq-len", str(seq_len), "--mc-items", "0",
+            "--out", str(out)]
+    status, err = run_cli(argv, capsys)
+    assert_allowed(status, err, out, [kind, str(change)[:100]])
+    assert status == 2 or not err.strip(), f"{kind} {str(change)[:100]}: exit 0 with on stderr\n{err[:2000]}"
+
+
+@_settings(30)
+@given(case=HF_CASE)
+@example(case=("config", {"model_type": "qwen3", "head_dim": 8}))  # Llama weights labelled Qwen3
+@example(case=("config", {"num_attention_heads": 0}))
+@example(case=("config", {"hidden_size": 64}))
+@example(case=("weights", ("truncate", 1000)))
+@example(case=("seq-len", 0))
+def test_fuzz_hf_folders(tmp_path, capsys, hf_export, corpus, case):
+    _hf_case(tmp_path, capsys, hf_export, corpus, case)
+
+
+PLUGIN_PARTS = {
+    "import": st.sampled_from(["", "", "", "import torch\n", "raise RuntimeError('at import')\n",
+                               "import no_such_module\n", "def f(groups, lr)\n",
+                               "x = 1 / 0\n", "import sys; sys.exit(3)\n"]),
+    "body": st.sampled_from(["return torch.optim.SGD(groups.all(), lr=lr)"] * 3 + ["return 3", "return []",
+                             "raise ValueError('in factory')", "return torch.optim.SGD(groups.matrices, lr=lr)",
+                             "return [torch.optim.SGD(groups.all(), lr=lr)] * 2", "return Odd(groups.all(), lr=lr)"]),
+    "default_lr": st.sampled_from(["", "f.default_lr = 1e-3\n", "f.default_lr = 1e-3\n", "f.default_lr = 'fast'\n",
+                                   "f.default_lr = -1\n",
+                                   "f.default_lr = float('nan')\n", "f.default_lr = [1]\n", "f.default_lr = True\n",
+                                   "f.default_lr = 0\n", "f = 3\n"]),
+}
+ODD = ("class Odd(torch.optim.SGD):\n    def step(self, closure=None):\n        super().step(closure)\n"
+       "        for p in self.param_groups[0]['params']:\n            self.state[p]['odd'] = object()\n")
+PLUGIN_FILE = st.one_of(st.fixed_dictionaries(PLUGIN_PARTS).map(
+    lambda d: f"import torch\n{d['import']}{ODD}def f(groups, lr):\n    {d['body']}\n{d['default_lr']}"),
+    st.text(max_size=100))
+
+
+def _plugin_case(tmp_path, capsys, corpus, source: str, lr: bool):
+    plugin = tmp_path / "plug.py"
+    plugin.write_text(source, errors="replace")
+    out = tmp_path / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    import sys
+
+    sys.modules.pop("optquant_plugin_" + "".join(c if c.isalnum() else "_" for c in str(plugin.resolve())), None)
+    from optquant.optim.plugin import load_factory
+
+    load_factory.cache_clear()  # the same path holds a new plugin every example
+    argv = ["train", "--preset", "nano", "--out", str(out), "--quiet", *_nano_sets(corpus, steps=2),
+            f"--set=optim.name={plugin}:f", *(["--set=optim.lr=1e-3"] if lr else [])]
+    status, err = run_cli(argv, capsys)
+    assert_allowed(status, err, None, [source[:300]])
+    left = [p for p in out.rglob("*") if p.is_file()] if out.exists() else []
+    if status == 2:  # a plugin that fails before training leaves nothing; one that fails later keeps its metrics
+        assert not left or any(p.name == "metrics.jsonl" for p in left), f"{source[:300]}: left {left}"
+
+
+@_settings(40)
+@given(source=PLUGIN_FILE, lr=st.booleans())
+@example(source="import torch\ndef f(groups, lr):\n    return torch.optim.SGD(groups.all(), lr=lr)\n", lr=True)
+@example(source="raise RuntimeError('at import')\n", lr=True)
+@example(source="import sys\nsys.exit(3)\n", lr=True)  # found by this test: SystemExit from a plugin's import
+@example(source="def f(groups, lr)\n", lr=True)
+@example(source="import torch\ndef f(groups, lr):\n    return 3\n", lr=True)
+@example(source="def f(groups, lr):\n    raise ValueError('x')\n", lr=True)
+@example(source="def f(groups, lr):\n    pass\nf.default_lr = 'fast'\n", lr=False)
+@example(source="import torch\n" + ODD + "def f(groups, lr):\n    return Odd(groups.all(), lr=lr)\n", lr=True)
+def test_fuzz_plugin_files(tmp_path, capsys, corpus, source, lr):
+    _plugin_case(tmp_path, capsys, corpus, source, lr)
+
+
+STUDY_KEYS = ["sizes", "optimizers", "lr_points", "lr_step", "lr_extensions", "lr_refine", "lrs.adamw", "lrs.muon",
+              "sweeps.adamw.optim.weight_decay", "sweeps.muon.optim.momentum", "seeds", "cl_eval_every", "workers",
+              "name", "ptq_schemes", "sweep_ptq_schemes", "qat_bits", "executor", "fit_interval", "run"]
+STUDY_VALUES = st.one_of(HOSTILE, st.sampled_from(["femto", "nano,femto", "femto,femto", "adamw", "adamw,adamw",
+                                                   "0,0", "0,1", "-1", "z", "0.001,-0.001", "../../evil", "w4a4-rtn",
+                                                   "1e9", "4,4", "train.steps=-1", "optim.lr=-1"]),
+                         NUMBERS.map(str), st.lists(NUMBERS, max_size=3).map(lambda v: ",".join(map(str, v))))
+STUDY_BASE = ["sizes=femto", "optimizers=adamw", "seeds=0", "workers=1", "lrs.adamw=0.001", "qat_bits=",
+              "run=model.vocab_size=320"]
+
+
+def _study_case(tmp_path, capsys, pairs):
+    out = tmp_path / "study"
+    shutil.rmtree(out, ignore_errors=True)
+    sets = [f"--set={s}" for s in STUDY_BASE] + [f"--set={k}={v}" for k, v in pairs]
+    sets.append(f"--set=run=data.source={tmp_path / 'no-such-corpus'}")  # a valid spec stops at the corpus
+    argv = ["study", "--preset", "smoke", "--quiet", "--out", str(out), *sets]
+    dry, dry_err = run_cli([*argv, "--dry-run"], capsys)
+    assert_allowed(dry, dry_err, None, ["--dry-run", *sets])
+    real, real_err = run_cli(argv, capsys)
+    assert_allowed(real, real_err, None, sets)
+    assert real == 2, f"{sets}: the real run did not stop at the missing corpus\n{real_err}"
+    if dry == 2:
+        assert real_err == dry_err, f"{sets}: --dry-run and the real run disagree\n{dry_err}\n{real_err}"
+        assert not out.exists(), f"{sets}: a rejected spec wrote {out}"
+    else:
+        assert "no-such-corpus" in real_err, f"{sets}: --dry-run accepts what the real run rejects\n{real_err}"
+
+
+@_settings(60)
+@given(pairs=st.lists(st.tuples(st.sampled_from(STUDY_KEYS), STUDY_VALUES), min_size=1, max_size=3))
+@example(pairs=[("optimizers", "")])
+@example(pairs=[("lr_step", "0")])
+@example(pairs=[("lrs.adamw", "-0.001")])
+@example(pairs=[("sweeps.adamw.optim.weight_decay", "z")])
+@example(pairs=[("seeds", "-1")])
+@example(pairs=[("name", "../../evil")])
+@example(pairs=[("workers", "-1")])
+def test_fuzz_study_settings(tmp_path, capsys, pairs):
+    _study_case(tmp_path, capsys, pairs)
+
+
+@pytest.fixture(scope="module")
+def fuzz_study(tmp_path_factory, corpus):
+    """A finished one-optimizer study written by run_study, and its spec."""
+    from optquant.study.plan import run_study
+    from optquant.study.spec import apply_study_overrides, study_preset
+
+    spec = apply_study_overrides(study_preset("smoke"), [
+        f"run=data.source={corpus}", "sizes=femto", "optimizers=adamw", "lrs.adamw=0.003", "lr_extensions=0",
+        "lr_refine=false", "seeds=0", "ptq_schemes=w4a4-rtn", "sweep_ptq_schemes=", "qat_bits=4", "workers=1",
+        "run=model.vocab_size=320", "run=train.steps=10", "run=train.eval_every=5"])
+    root = tmp_path_factory.mktemp("fuzz-study") / "study"
+    run_study(spec, root)
+    return spec, root
+
+
+SUMMARY_KEYS = ["final_val_loss", "best_val_loss", "steps", "total_steps", "n_params", "cl_step", "status",
+                "mean_step_seconds", "qat_rel_degradation_pct", "optimizer", "lr"]
+JSON_VALUES = st.one_of(st.sampled_from([None, True, "x", "3.1", [], {}, [1], -1, 0, 1e308, "done"]),
+                        st.floats(allow_nan=False), st.integers(-5, 10**6), st.text(max_size=5))
+RESULT_COLUMNS_FUZZED = ["value", "lr", "seed", "n_params"]
+RECORD_CASE = st.one_of(
+    st.tuples(st.just("summary"), st.sampled_from(["fp", "qat"]), st.sampled_from(SUMMARY_KEYS), JSON_VALUES),
+    st.tuples(st.just("results"), st.sampled_from(["report", "fit"]), st.sampled_from(RESULT_COLUMNS_FUZZED),
+              st.one_of(st.sampled_from(["x", "", "1,5", "nan!", "None"]), st.text(max_size=4))))
+
+
+def _record_case(tmp_path, capsys, fuzz_study, case):
+    import json
+
+    import pandas as pd
+
+    from optquant.study.plan import run_study
+
+    spec, root = fuzz_study
+    copy = tmp_path / "study"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(root, copy)
+    what, where, key, value = case
+    before = pd.read_parquet(copy / "results.parquet")
+    if what == "summary":
+        runs = [p for p in (copy / "runs").iterdir() if (p / "summary.json").is_file()
+                and bool(json.loads((p / "config.json").read_text())["config"]["qat"]) == (where == "qat")]
+        summary = json.loads((runs[0] / "summary.json").read_text())
+        (runs[0] / "summary.json").write_text(json.dumps({**summary, key: value}))
+        logging.root.handlers.clear()
+        try:
+            run_study(spec, copy)
+        except Exception as e:  # noqa: BLE001  the CLI would print an OptquantError as its one line
+            from optquant.errors import OptquantError
+
+            assert isinstance(e, OptquantError), f"{case}: {type(e).__name__}: {e}"
+            return
+        if value is None and key in ("cl_step", "qat_rel_degradation_pct"):
+            return  # values train() writes (no crossing; no FP twin): the rows they drop are not damage
+        after = pd.read_parquet(copy / "results.parquet")
+        kept = set(zip(after.run_id, after.metric, strict=True))
+        lost = set(zip(before.run_id, before.metric, strict=True)) - kept
+        assert not lost, f"{case}: rerun accepted the damaged summary and dropped rows {sorted(lost)[:3]}"
+    else:
+        df = before.copy()
+        df[key] = df[key].astype(str)  # a column of strings, as a hand-edited or foreign writer leaves it
+        df.loc[df.index[0], key] = value
+        df.to_parquet(copy / "results.parquet", index=False)
+        status, err = run_cli([where, str(copy)], capsys)
+        assert_allowed(status, err, None, [case])
+        numeric = pd.to_numeric(df[key], errors="coerce").notna().all()
+        assert status == 2 or numeric, f"{case}: exit 0 with a non-numeric {key!r} in results.parquet"
+
+
+@_settings(25)
+@given(case=RECORD_CASE)
+@example(case=("summary", "qat", "final_val_loss", "n/a"))
+@example(case=("summary", "fp", "steps", "4"))
+@example(case=("summary", "fp", "best_val_loss", None))  # found by this test: rows dropped on the rerun
+@example(case=("results", "report", "value", "x"))
+def test_fuzz_damaged_summaries_and_results(tmp_path, capsys, fuzz_study, case):
+    _record_case(tmp_path, capsys, fuzz_study, case)
+
+
+@pytest.mark.slow
+@_settings(30 * SLOW)
+@given(case=HF_CASE)
+def test_fuzz_hf_folders_long(tmp_path, capsys, hf_export, corpus, case):
+    _hf_case(tmp_path, capsys, hf_export, corpus, case)
+
+
+@pytest.mark.slow
+@_settings(40 * SLOW)
+@given(source=PLUGIN_FILE, lr=st.booleans())
+def test_fuzz_plugin_files_long(tmp_path, capsys, corpus, source, lr):
+    _plugin_case(tmp_path, capsys, corpus, source, lr)
+
+
+@pytest.mark.slow
+@_settings(60 * SLOW)
+@given(pairs=st.lists(st.tuples(st.sampled_from(STUDY_KEYS), STUDY_VALUES), min_size=1, max_size=3))
+def test_fuzz_study_settings_long(tmp_path, capsys, pairs):
+    _study_case(tmp_path, capsys, pairs)
+
+
+@pytest.mark.slow
+@_settings(25 * SLOW)
+@given(case=RECORD_CASE)
+def test_fuzz_damaged_summaries_and_results_long(tmp_path, capsys, fuzz_study, case):
+    _record_case(tmp_path, capsys, fuzz_study, case)

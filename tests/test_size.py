@@ -18,8 +18,9 @@ from pathlib import Path
 # figures and tables right by construction (fits' N, seed means, tick density, symlog, LOO, column precision,
 # one parameter count, cells that wrap, LOO columns): budget 12,575. Issue 20's design (study/tuning.py: every step
 # size searched, tied group ratios; report/design.py: what each claim needs; the Tuning table; the machine record)
-# added ~456. All three merged: 13,587 lines, budget 13,650.
-BUDGET = 13_650
+# added ~456. Issue 21 (files received from others: the study-spec validator, record checks on read, guarded
+# export, HF config/weights checks, plugin errors, O_NOFOLLOW writes) added 342. All four merged: budget 14,000.
+BUDGET = 14_000
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

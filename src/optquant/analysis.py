@@ -28,7 +28,7 @@ from optquant.config import RunConfig
 from optquant.data import fixed_batches, load_tokens
 from optquant.errors import OptquantError
 from optquant.evaluate import MCConfig, mc_eval, val_loss
-from optquant.files import finite_json, read_json
+from optquant.files import NUMBER, check_record, finite_json, read_json
 from optquant.harness import HarnessConfig
 from optquant.metrics.outliers import aggregate, outlier_metrics
 from optquant.metrics.propagation import PropagationConfig, propagation, ptq_pair
@@ -223,5 +223,14 @@ def write_parquet(path: Path, df: pd.DataFrame) -> None:
 
 
 def read_result(run_dir: Path, acfg: AnalysisConfig, scheme: str, what: str) -> dict | None:
+    """A PTQ job's summary.json or analysis.json, checked for the types ptq_eval/analyze write, or None."""
     path = out_dir(run_dir, acfg, scheme) / what
-    return read_json(path) if path.exists() else None
+    if not path.exists():
+        return None
+    record, redo = read_json(path), f"; delete {path.parent} to redo it"
+    if not isinstance(record, dict):
+        raise OptquantError(f"{path}: not an optquant PTQ result (a JSON object){redo}")
+    numbers = [k for k in record if k.startswith(("val_loss_", "mc_acc", "delta_")) or what == "analysis.json"]
+    check_record(path, record, {**dict.fromkeys(numbers, (*NUMBER, type(None))), "scheme": (str,),
+                                "weights": (str,)}, redo, finite=False)
+    return record

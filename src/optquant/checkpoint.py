@@ -183,7 +183,11 @@ def model_tensors(model: nn.Module) -> dict[str, Tensor]:
 def save_checkpoint(path: Path, model: nn.Module, state: dict[str, Any]) -> None:
     """Model tensors plus an arbitrary nested `state` (optimizer state dicts, RNG, step) in one file."""
     tensors: dict[str, Tensor] = {}
-    structure = _flatten(state, tensors)
+    try:
+        structure = _flatten(state, tensors)
+    except TypeError as e:  # e.g. a plugin optimizer keeping an object of its own in its state
+        raise OptquantError(f"{path}: {e} in the training state; an optimizer's state may hold only tensors, "
+                            "numbers, strings, bools, None, lists and dicts") from None
     tensors.update({f"model.{k}": v for k, v in model_tensors(model).items()})
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"structure": json.dumps(structure)}))
 
@@ -207,7 +211,12 @@ def load_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
     load_model_tensors(model, {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, path)
     if "structure" not in metadata:
         raise OptquantError(f"{path}: not an optquant training checkpoint (no state metadata)")
-    return _unflatten(json.loads(metadata["structure"]), tensors)
+    try:
+        state = _unflatten(json.loads(metadata["structure"]), tensors)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise OptquantError(f"{path}: the checkpoint's state metadata is corrupt ({type(e).__name__}: {e}); "
+                            "delete it to train this run from scratch") from None
+    return state
 
 
 def load_model_tensors(model: nn.Module, tensors: dict[str, Tensor], source: Path | str) -> None:

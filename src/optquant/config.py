@@ -371,8 +371,18 @@ def _build(cls: type, data: dict, path: str) -> Any:
     return cls(**kwargs)
 
 
+def _check_plugin_record(name: Any, optim: dict, path: str) -> None:
+    """A plugin optimizer in a record is kept as its name and lr, never imported: a run directory may come
+    from someone else, and only training needs the optimizer (it loads the plugin the user names)."""
+    if not isinstance(name, str) or not name:
+        raise OptquantError(f"{path}: optim.name must be an optimizer's name, got {name!r}")
+    lr = optim.get("lr")
+    if name not in OPTIMIZERS and (not isinstance(lr, int | float) or isinstance(lr, bool) or not math.isfinite(lr)):
+        raise OptquantError(f"{path}: optimizer plugin {name!r} has no finite optim.lr in the record")
+
+
 def from_dict(data: dict, path: str = "config") -> RunConfig:
-    """Rebuild a RunConfig from `to_dict` output (e.g. a run's config.json)."""
+    """Rebuild a RunConfig from `to_dict` output (e.g. a run's config.json). Never imports a plugin it names."""
     if not isinstance(data, dict):
         raise OptquantError(f"{path}: not a run config (a JSON object)")
     data = dict(data)
@@ -383,7 +393,7 @@ def from_dict(data: dict, path: str = "config") -> RunConfig:
     try:
         cfg = _build(RunConfig, data, path)
         name = optim.get("name", "adamw")
-        optimizer_config(name)  # one clear error for an unknown optimizer or a plugin that fails to load
+        _check_plugin_record(name, optim, path)
         cfg = replace(cfg,
                       optim=_build(optimizer_config_class(name), optim, path),
                       qat=None if qat is None else _build(QATConfig, qat, path))

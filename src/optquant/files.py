@@ -6,8 +6,10 @@ Light on imports (no torch; pandas only for parquet) so that the report and the 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +17,8 @@ from optquant.errors import OptquantError
 
 if TYPE_CHECKING:
     import pandas as pd
+
+NUMBER = (int, float)  # a number (check_record: never a bool)
 
 
 def finite_json(obj: Any) -> Any:
@@ -27,6 +31,31 @@ def finite_json(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [finite_json(v) for v in obj]
     return obj
+
+
+def open_nofollow(path: Path, flags: int, mode: int = 0o666) -> int:
+    """os.open that never follows a symbolic link planted at `path` (a shared, group-writable directory):
+    a link there is one error naming it, and its target is left untouched."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP or (e.errno == errno.EEXIST and Path(path).is_symlink()):
+            raise OptquantError(f"{path} is a symbolic link; optquant never writes through one (remove it "
+                                "and rerun)") from None
+        raise
+
+
+def check_record(where: Path | str, record: dict, fields: dict[str, tuple[type, ...]], hint: str = "",
+                 finite: bool = True) -> None:
+    """Each of `fields` present in `record` has one of its types (bool is not a number; with `finite`,
+    neither is NaN or ±inf): the types its writer guarantees. Another type is an error naming the file
+    (`where`) and the field."""
+    for name, types in fields.items():
+        value = record.get(name)
+        if name in record and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
+                               or (finite and isinstance(value, float) and not math.isfinite(value))):
+            raise OptquantError(f"{where}: field {name!r} is {value!r}, not what optquant writes "
+                                f"({' or '.join('null' if t is type(None) else t.__name__ for t in types)}){hint}")
 
 
 def read_text(path: Path, kind: str) -> str:
@@ -62,6 +91,23 @@ def read_parquet(path: Path) -> pd.DataFrame:
             from None
 
 
+def check_numeric_columns(df: pd.DataFrame, path: Path, columns: tuple[str, ...]) -> None:
+    """Each of `columns` (where present) holds numbers or nulls, as the study's writer guarantees: a string
+    in a value column is an error naming the file, column and row, never a table gone blank."""
+    import pandas as pd
+
+    for column in (c for c in columns if c in df.columns):
+        values = df[column]
+        if values.dtype == bool:
+            bad = values.notna()
+        else:
+            bad = pd.to_numeric(values, errors="coerce").isna() & values.notna()
+        if bad.any():
+            row = int(bad.to_numpy().nonzero()[0][0])
+            raise OptquantError(f"{path}: column {column!r} holds {values.iloc[row]!r} at row {row}, not a number; "
+                                "rerun optquant study to rewrite it")
+
+
 def parse_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl. An unparsable *last* line is an append cut short by a crash and is
     dropped (the resumed run recomputes it); damage anywhere else is an error naming the line."""
@@ -73,11 +119,13 @@ def parse_metrics(path: Path) -> list[dict[str, Any]]:
     for n, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int) or record["step"] < 0:
                 raise ValueError("not an evaluation record")
         except ValueError as e:
             if n == len(lines):
                 break
             raise OptquantError(f"{path} line {n} is corrupt ({e}); delete the run directory to retrain") from None
+        check_record(f"{path} line {n}", record, dict.fromkeys(("train_loss", "val_loss", "lr", "tokens"), NUMBER),
+                     "; delete the run directory to retrain", finite=False)  # a diverged run logs inf
         records.append(record)
     return records

@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -31,7 +32,18 @@ import optquant
 from optquant.checkpoint import atomic_write_json, atomic_write_text
 from optquant.config import RunConfig, from_dict, run_id, to_dict
 from optquant.errors import OptquantError
-from optquant.files import parse_metrics, read_json
+from optquant.files import NUMBER, check_record, open_nofollow, parse_metrics, read_json
+
+# summary.json's fields and the types train._summarise writes (None where a run may have no value)
+SUMMARY_FIELDS: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("steps", "total_steps", "n_params", "n_params_non_embedding", "optimizer_state_bytes",
+                     "tokens_per_step"), (int,)),
+    **dict.fromkeys(("mean_step_seconds", "tokens_per_s", "lr"), NUMBER),
+    **dict.fromkeys(("final_val_loss", "best_val_loss", "cl_threshold", "qat_rel_degradation_pct"),
+                    (*NUMBER, type(None))),
+    **dict.fromkeys(("cl_step", "diverged_step"), (int, type(None))),
+    **dict.fromkeys(("run_id", "optimizer"), (str,)),
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,9 +81,14 @@ def read_summary(path: Path) -> dict[str, Any] | None:
     summary = Path(path) / "summary.json"
     if not summary.exists():
         return None
+    redo = f"; delete the run directory {Path(path)} (or train it with --force) to redo it"
     record = read_json(summary)
     if not isinstance(record, dict) or record.get("status") not in ("done", "diverged"):
-        raise OptquantError(f"{summary}: not an optquant run summary; delete it (or use --force) to retrain")
+        raise OptquantError(f"{summary}: not an optquant run summary{redo}")
+    check_record(summary, record, SUMMARY_FIELDS, redo)
+    for key in ("final_val_loss", "best_val_loss"):  # a finished run evaluated at its last step
+        if record["status"] == "done" and not isinstance(record.get(key), NUMBER):
+            raise OptquantError(f"{summary}: status 'done' without a {key}{redo}")
     return record
 
 
@@ -79,9 +96,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return parse_metrics(Path(path) / "metrics.jsonl")
 
 
-def _holder(lock: Path) -> str:
+def _holder(fd: int) -> str:
     try:
-        text = lock.read_text(errors="replace").strip()
+        text = os.pread(fd, 400, 0).decode(errors="replace").strip()
     except OSError:
         text = ""
     return text or "another process"
@@ -91,17 +108,20 @@ def _holder(lock: Path) -> str:
 def locked(path: Path, wait: bool = True) -> Iterator[None]:
     """Hold `path`/.lock: the one writer of a run (or PTQ) directory. `wait=False` (the CLI) raises at
     once, naming the holder; study jobs wait. The lock dies with its process. A directory this call
-    created is removed again if the body fails with bad input before writing anything into it."""
+    created is removed again if the body fails with bad input before training (nothing in it but the lock
+    and config.json). A `.lock` that is a symbolic link is an error: its target is never opened."""
     path = Path(path)
     created = [d for d in (path, *path.parents) if not d.exists()]  # innermost first
     path.mkdir(parents=True, exist_ok=True)
     lock = path / ".lock"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = open_nofollow(lock, os.O_RDWR | os.O_CREAT)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OptquantError(f"{lock}: not a regular file; remove it and rerun")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
-            raise OptquantError(f"{path} is in use by {_holder(lock)}; wait for it to finish, "
+            raise OptquantError(f"{path} is in use by {_holder(fd)}; wait for it to finish, "
                                 "or stop that process") from None
         os.ftruncate(fd, 0)
         who = f"pid {os.getpid()} on {socket.gethostname()} ({' '.join(['optquant', *sys.argv[1:]])[:200]}, " \
@@ -110,7 +130,8 @@ def locked(path: Path, wait: bool = True) -> Iterator[None]:
         try:
             yield
         except OptquantError:
-            if created and {p.name for p in path.iterdir()} <= {".lock"}:  # nothing written: leave no trace
+            if created and {p.name for p in path.iterdir()} <= {".lock", "config.json"}:  # not trained: no trace
+                (path / "config.json").unlink(missing_ok=True)
                 lock.unlink(missing_ok=True)
                 for d in created:
                     with contextlib.suppress(OSError):

@@ -47,6 +47,7 @@ from optquant.data import check_enough, fixed_batches, get_batch, load_tokens
 from optquant.device import use_bf16
 from optquant.errors import OptquantError
 from optquant.evaluate import val_loss
+from optquant.files import open_nofollow
 from optquant.model import LM, count_params, lm_loss
 from optquant.optim import build_optimizers, ns_dtype, state_bytes
 from optquant.runs import read_summary, truncate_metrics, write_config
@@ -216,6 +217,11 @@ def _resume(r: _Loop) -> dict[str, Any]:
     if not ckpt.exists():
         return {"step": 0, "best_val": math.inf, "cl_step": None, "train_time": 0.0, "timed_steps": 0}
     saved = load_checkpoint(ckpt, r.model)
+    step = saved.get("loop", {}).get("step") if isinstance(saved, dict) and isinstance(saved.get("loop"), dict) \
+        else None
+    if type(step) is not int or not 0 <= step <= r.steps:
+        raise OptquantError(f"{ckpt} is at step {step!r}, not within this run's {r.steps} steps; delete it to "
+                            "train this run from scratch")
     _load_optimizer_states(ckpt, r.cfg, r.optimizers, saved)
     rngs = saved["rng"] if isinstance(saved["rng"], list) else [saved["rng"]]
     if len(rngs) != r.ctx.world_size:
@@ -388,7 +394,7 @@ def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: 
                  val_loss: float) -> dict:
     record = {"step": state["step"], "train_loss": loss, "val_loss": val_loss,
               "lr": cfg.optim.lr * mult, "tokens": state["step"] * cfg.train.batch_size * cfg.model.seq_len}
-    with open(run_dir / "metrics.jsonl", "a") as f:
+    with os.fdopen(open_nofollow(run_dir / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
         f.write(json.dumps(record) + "\n")
     return record
 

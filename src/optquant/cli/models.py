@@ -69,7 +69,7 @@ def _add_eval_parser(sub) -> None:
 def _export(args: argparse.Namespace) -> int:
     from optquant.hf.export import export_hf
 
-    out = export_hf(args.run_dir, args.hf, args.weights)
+    out = export_hf(args.run_dir, args.hf, args.weights, force=args.force)
     print(f"written: {out}/ (load with transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained)")
     return 0
 
@@ -84,4 +84,6 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--hf", type=Path, required=True, metavar="OUT", help="output folder (Hugging Face format)")
     p.add_argument("--weights", choices=["final", "cl"], default="final",
                    help="final weights or the Common-Loss checkpoint")
+    p.add_argument("--force", action="store_true", help="overwrite an earlier export at OUT (never a run, a study "
+                   "or another file)")
     p.set_defaults(func=_export)

@@ -55,6 +55,7 @@ def _study(args: argparse.Namespace) -> int:
     from optquant.config import load_toml
     from optquant.study.plan import run_study
     from optquant.study.spec import apply_study_overrides, study_preset
+    from optquant.study.validate import validate_spec
 
     toml_preset, toml_overrides = load_toml(args.config) if args.config else (None, [])
     spec = study_preset(args.preset or toml_preset or "cpu")
@@ -63,9 +64,9 @@ def _study(args: argparse.Namespace) -> int:
         from optquant.study.budget import study_lines
 
         plan, overrides = split_plan_overrides(toml_overrides + (args.set or []))
-        print("\n".join(study_lines(apply_study_overrides(spec, overrides), plan)))
+        print("\n".join(study_lines(validate_spec(apply_study_overrides(spec, overrides)), plan)))
         return 0
-    spec = apply_study_overrides(spec, toml_overrides + (args.set or []))
+    spec = validate_spec(apply_study_overrides(spec, toml_overrides + (args.set or [])))
     root = args.out or Path("studies") / spec.name
     progress = Progress(spec, root, args.quiet)
     with logging_redirect_tqdm([logging.getLogger()]) if progress.bar else contextlib.nullcontext():

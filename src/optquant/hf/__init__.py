@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 
 from optquant.errors import OptquantError
+from optquant.files import read_json
 
 
 def require_transformers():
@@ -15,19 +16,59 @@ def require_transformers():
         raise OptquantError("this needs Hugging Face transformers: pip install 'optquant[hf]'")
     import transformers
 
+    transformers.utils.logging.set_verbosity_error()  # its load reports are many lines; we say it in one
+    transformers.utils.logging.disable_progress_bar()  # and so are its progress bars
     return transformers
 
 
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def check_hf_config(path: Path) -> dict:
+    """config.json of an HF folder, checked before transformers sees it: a supported model_type and
+    positive whole sizes that fit together (transformers itself divides by zero on some)."""
+    from optquant.hf.adapter import FAMILIES
+
+    file = Path(path) / "config.json"
+    config = read_json(file)
+    if not isinstance(config, dict):
+        raise OptquantError(f"{file}: not a Hugging Face config (a JSON object)")
+    if config.get("model_type") not in FAMILIES:
+        raise OptquantError(f"{file}: model_type {config.get('model_type')!r} is not supported; supported: "
+                            f"{', '.join(FAMILIES)}")
+    for key in (*_SIZES, *_OPTIONAL_SIZES):
+        value = config.get(key)
+        if (key in _SIZES or value is not None) and (type(value) is not int or value < 1):
+            raise OptquantError(f"{file}: {key} must be a positive whole number, got {value!r}")
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if heads % kv or (config.get("head_dim") is None and config["hidden_size"] % heads):
+        raise OptquantError(f"{file}: num_attention_heads={heads} must be a multiple of num_key_value_heads={kv} "
+                            f"and (without head_dim) divide hidden_size={config['hidden_size']}")
+    return config
+
+
 def load_hf_model(path: Path):
-    """The HF model of a local folder, in fp32 and eval mode; nothing is downloaded."""
+    """The HF model of a local folder, in fp32 and eval mode; nothing is downloaded. Weights that do not
+    match config.json (a missing, unexpected or differently shaped tensor) are an error: transformers
+    would initialise the missing ones at random and only say so in a log."""
     transformers = require_transformers()
     path = Path(path)
     if not (path / "config.json").is_file():
         raise OptquantError(f"{path}: not a Hugging Face model folder (no config.json)")
+    config = check_hf_config(path)
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32", local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise OptquantError(f"{path}: transformers could not load it ({str(e).splitlines()[0]})") from None
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype="float32", local_files_only=True, output_loading_info=True)
+    except Exception as e:  # transformers over files from elsewhere: any failure is bad input
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise OptquantError(f"{path}: transformers could not load it ({type(e).__name__}: {first})") from None
+    tied = {"lm_head.weight"} if config.get("tie_word_embeddings", True) else set()
+    missing = sorted(set(info.get("missing_keys") or ()) - tied)
+    wrong = sorted(set(info.get("unexpected_keys") or ())) + sorted(map(str, info.get("mismatched_keys") or ()))
+    if missing or wrong:
+        raise OptquantError(f"{path}: the weights do not match config.json (model_type "
+                            f"{config['model_type']!r}): missing {missing[:3]}, unexpected or mis-shaped {wrong[:3]}")
     return model.eval()
 
 
@@ -35,6 +76,8 @@ def load_hf(path: Path, seq_len: int = 128):
     """The HF causal LM at `path` as an optquant chain (HFLM), fp32, eval mode."""
     from optquant.hf.adapter import HFLM
 
+    if type(seq_len) is not int or seq_len < 2:
+        raise OptquantError(f"--seq-len {seq_len}: must be at least 2 tokens")
     return HFLM(load_hf_model(path), seq_len=seq_len).eval()
 
 

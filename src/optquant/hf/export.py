@@ -20,11 +20,15 @@ quantizers are not HF modules).
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
 from optquant.analysis import Weights, load_run_model
+from optquant.checkpoint import temp_path
 from optquant.data import EOT, load_tokens
 from optquant.errors import OptquantError
 from optquant.hf import require_transformers
@@ -73,9 +77,40 @@ def llama_config(model: LM, eot_id: int):
     )
 
 
-def export_hf(run_dir: Path, out: Path, weights: Weights = "final") -> Path:
-    """Write run_dir's model (+ tokenizer) as an HF LlamaForCausalLM folder at `out`; returns `out`."""
+RUN_FILES = ("summary.json", "metrics.jsonl", "checkpoint.safetensors", ".lock", "study.json", "results.parquet")
+
+
+def _is_export(path: Path) -> bool:
+    """A folder this command wrote: an HF LlamaForCausalLM config.json, and none of a run's or study's files."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(config, dict) and config.get("architectures") == ["LlamaForCausalLM"]
+            and not any((path / f).exists() for f in RUN_FILES))
+
+
+def check_target(run_dir: Path, out: Path, force: bool) -> None:
+    """Refuse an output that would destroy something: the run itself, a run or study directory, an existing
+    file, a folder with other contents; an earlier export only with `force`."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise OptquantError(f"export --hf {out}: exists and is not a directory; choose a new folder")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if out.resolve() == Path(run_dir).resolve() or any((out / f).exists() for f in RUN_FILES):
+        raise OptquantError(f"export --hf {out}: is a run or study directory; export into a new folder")
+    if not _is_export(out):
+        raise OptquantError(f"export --hf {out}: not empty and not an earlier export; choose a new folder")
+    if not force:
+        raise OptquantError(f"export --hf {out}: holds an earlier export; add --force to overwrite it")
+
+
+def export_hf(run_dir: Path, out: Path, weights: Weights = "final", force: bool = False) -> Path:
+    """Write run_dir's model (+ tokenizer) as an HF LlamaForCausalLM folder at `out`; returns `out`.
+    The folder is written beside `out` and renamed into place, so a failure leaves `out` as it was."""
     transformers = require_transformers()
+    out = Path(out)
+    check_target(run_dir, out, force)
     cfg, model = load_run_model(run_dir, weights)
     if cfg.model.arch != "llama":
         raise OptquantError(f"{run_dir}: the {cfg.model.arch} variant (ReLU² MLP, per-head L2 QK-norm with a "
@@ -90,9 +125,21 @@ def export_hf(run_dir: Path, out: Path, weights: Weights = "final") -> Path:
         raise OptquantError(f"export: weight names do not match LlamaForCausalLM ({missing}, {unexpected})")
     if cfg.model.tie_embeddings:
         hf.tie_weights()
-    out = Path(out)
-    hf.save_pretrained(out)
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=data.tokenizer, eos_token=EOT, bos_token=EOT,
-                                               model_max_length=cfg.model.seq_len)
-    tok.save_pretrained(out)
+    tmp, old = temp_path(out), temp_path(out)
+    try:
+        hf.save_pretrained(tmp)
+        tok = transformers.PreTrainedTokenizerFast(tokenizer_object=data.tokenizer, eos_token=EOT, bos_token=EOT,
+                                                   model_max_length=cfg.model.seq_len)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            os.rename(out, old)  # checked above: empty, or an earlier export with --force
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if old.exists():
+                os.rename(old, out)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     return out

@@ -52,7 +52,11 @@ def _import_module(spec: str):
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except (Exception, SystemExit) as e:  # the user's code, not ours: whatever it raises is bad input
+            del sys.modules[name]
+            raise OptquantError(f"optimizer plugin {spec!r} failed to import: {_describe(e)}") from None
         return module
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # a console script does not search the current directory
@@ -60,9 +64,18 @@ def _import_module(spec: str):
         return importlib.import_module(spec)
     except ModuleNotFoundError as e:
         if not (e.name and (spec == e.name or spec.startswith(e.name + "."))):
-            raise  # the plugin itself imports something missing: show that
+            raise OptquantError(f"optimizer plugin {spec!r} failed to import: {_describe(e)}") from None
         raise OptquantError(f"optimizer plugin {spec!r}: module {e.name!r} not found (on sys.path or in "
                             f"{Path.cwd()})") from None
+    except (Exception, SystemExit) as e:  # the user's code, not ours
+        raise OptquantError(f"optimizer plugin {spec!r} failed to import: {_describe(e)}") from None
+
+
+def _describe(e: BaseException) -> str:
+    """An exception from the user's code in one line, with where it happened when Python knows."""
+    if isinstance(e, SyntaxError):
+        return f"SyntaxError: {e.msg} ({e.filename}, line {e.lineno})"
+    return f"{type(e).__name__}: {e}"
 
 
 @functools.cache
@@ -78,7 +91,10 @@ def load_factory(name: str) -> Callable:
         points = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
         if not points:
             return None
-        factory = points[0].load()
+        try:
+            factory = points[0].load()
+        except (Exception, SystemExit) as e:  # the installed package's code, not ours
+            raise OptquantError(f"optimizer plugin {name!r} failed to load: {_describe(e)}") from None
     if not callable(factory):
         raise OptquantError(f"optimizer plugin {name!r} is not callable")
     return factory
@@ -92,7 +108,11 @@ def is_plugin(name: str) -> bool:
 def default_lr(name: str) -> float:
     """The plugin's declared `default_lr`, or nan when it declares none."""
     lr = getattr(load_factory(name), "default_lr", None)
-    return math.nan if lr is None else float(lr)
+    if lr is None:
+        return math.nan
+    if not isinstance(lr, int | float) or isinstance(lr, bool) or not (math.isfinite(lr) and lr > 0):
+        raise OptquantError(f"optimizer plugin {name!r}: default_lr must be a positive finite number, got {lr!r}")
+    return float(lr)
 
 
 def safe_name(name: str) -> str:
@@ -119,7 +139,10 @@ class PluginConfig:
         if math.isnan(self.lr):
             raise OptquantError(f"optimizer plugin {self.name!r} declares no default_lr: set optim.lr=... "
                                 f"(in a study: lrs.{self.name}=...)")
-        out = load_factory(self.name)(groups, self.lr)
+        try:
+            out = load_factory(self.name)(groups, self.lr)
+        except (Exception, SystemExit) as e:  # the user's factory, not ours
+            raise OptquantError(f"optimizer plugin {self.name!r} raised in its factory: {_describe(e)}") from None
         optimizers = list(out) if isinstance(out, list | tuple) else [out]
         if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
             raise OptquantError(f"optimizer plugin {self.name!r} must return a torch.optim.Optimizer or a list "

@@ -16,6 +16,7 @@ import os
 from html import escape
 from pathlib import Path
 
+from optquant.files import open_nofollow
 from optquant.report import curves, figures, paper
 from optquant.report.claims import claims_table
 from optquant.report.costs import cost_section
@@ -163,7 +164,9 @@ def render_report(study_dir: str | Path) -> Path:
     text = page(title, _header(d), sections, d.spec)
     path = out / "index.html"
     tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(text, encoding="utf-8")
+    tmp.unlink(missing_ok=True)  # a stale one, or a link planted there: never written through
+    with os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w", encoding="utf-8") as f:
+        f.write(text)
     os.replace(tmp, path)
     log.info("report written to %s", path)
     return path

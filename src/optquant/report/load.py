@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from optquant.errors import OptquantError
-from optquant.files import parse_metrics, read_json, read_parquet
+from optquant.files import NUMBER, check_numeric_columns, check_record, parse_metrics, read_json, read_parquet
 from optquant.report.paper import LABELS, by_label
 
 log = logging.getLogger(__name__)
@@ -217,7 +217,7 @@ def load_study(study_dir: str | Path) -> StudyData:
         results=results,
         correlations=_optional(read_parquet, root / "correlations.parquet"),
         fits=_optional(read_json, root / "fits.json"),
-        best=_optional(read_json, root / "best.json"),
+        best=_read_best(root / "best.json"),
         blocks=_blocks(root, sizes_info, results),
         machine=info.get("machine") or {},
         n_count=n_count,
@@ -238,6 +238,20 @@ def _blocks(root: Path, sizes_info: dict, results: pd.DataFrame) -> dict[str, in
     return out
 
 
+def _read_best(path: Path) -> dict | None:
+    """best.json, each entry checked for the types study/results.py writes."""
+    best = _optional(read_json, path)
+    if best is None:
+        return None
+    if not isinstance(best, dict) or not all(isinstance(v, dict) for v in best.values()):
+        raise OptquantError(f"{path}: not a best-LR record (an object of objects); rerun optquant study")
+    for key, entry in best.items():
+        check_record(f"{path} entry {key!r}", entry, {"best_lr": (*NUMBER, type(None)), "status": (str,),
+                                                      "reason": (str, type(None)), "loss": (*NUMBER, type(None)),
+                                                      "seeds": (int,)}, "; rerun optquant study to rewrite it")
+    return best
+
+
 def _read_results(path: Path) -> pd.DataFrame:
     if not path.is_file():
         log.info("%s missing: every results section will say 'not run'", path)
@@ -246,6 +260,7 @@ def _read_results(path: Path) -> pd.DataFrame:
     missing = [c for c in RESULT_COLUMNS if c not in df.columns]
     if missing:
         raise OptquantError(f"{path} lacks column(s) {missing}; has {list(df.columns)}")
+    check_numeric_columns(df, path, ("value", "lr", "seed", "n_params"))
     df = df.copy()
     df["best_lr"] = df["best_lr"].fillna(False).astype(bool)
     df["value"] = pd.to_numeric(df["value"], errors="coerce").astype(float)

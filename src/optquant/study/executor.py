@@ -35,6 +35,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from optquant.files import open_nofollow
+
 log = logging.getLogger(__name__)
 
 
@@ -165,7 +167,7 @@ def append_costs(path: Path, record: dict[str, Any]) -> None:
     """Append one JSON line with a single O_APPEND write (whole lines even if several studies log)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(record, allow_nan=False, default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line)
     finally:

@@ -268,7 +268,9 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
     """Run (or resume) the whole study in `root`; returns the report's path."""
     from optquant.report import render_report
     from optquant.study.results import write_results
+    from optquant.study.validate import validate_spec
 
+    validate_spec(spec)  # the same check as the CLI's, for callers of the library
     if spec.eval.tasks:  # unknown task names fail now, before anything is written or trained
         task_manager(spec.eval.tasks, spec.eval.include_path or None)
     with WorkerPool(spec.workers) as pool:  # started by the first batch that needs it

@@ -32,7 +32,7 @@ import pandas as pd
 from optquant.analysis import AnalysisConfig, read_result, write_parquet
 from optquant.checkpoint import atomic_write_json
 from optquant.errors import OptquantError
-from optquant.files import read_json, read_parquet
+from optquant.files import check_numeric_columns, read_json, read_parquet
 from optquant.metrics.correlate import correlate
 from optquant.metrics.outliers import OUTLIER_METRICS
 from optquant.runs import read_config, read_summary
@@ -270,6 +270,7 @@ def refit(study_dir: Path, interval: str = "bootstrap") -> dict[str, Any]:
     if not path.exists():
         raise OptquantError(f"{study_dir}: no results.parquet (run optquant study first)")
     df = read_parquet(path)
+    check_numeric_columns(df, path, ("value", "lr", "seed", "n_params"))
     write_parquet(Path(study_dir) / "correlations.parquet", correlations(df))
     out = fits(df, interval)
     atomic_write_json(Path(study_dir) / "fits.json", out)
