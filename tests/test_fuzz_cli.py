@@ -551,6 +551,8 @@ def _record_case(tmp_path, capsys, fuzz_study, case):
 @example(case=("summary", "qat", "final_val_loss", "n/a"))
 @example(case=("summary", "fp", "steps", "4"))
 @example(case=("summary", "fp", "best_val_loss", None))  # found by this test: rows dropped on the rerun
+@example(case=("summary", "fp", "best_val_loss", 1e308))  # found by this test: a finite but absurd loss
+@example(case=("summary", "fp", "final_val_loss", 1e308))  # ... crashed the figures (arange)
 @example(case=("results", "report", "value", "x"))
 def test_fuzz_damaged_summaries_and_results(tmp_path, capsys, fuzz_study, case):
     _record_case(tmp_path, capsys, fuzz_study, case)

@@ -27,7 +27,9 @@ from optquant.study.plan import run_study
 from optquant.study.results import TIMING, refit
 from optquant.study.spec import StudySpec, apply_study_overrides, lr_grid, study_preset
 
-CL_TOLERANCE = 0.05  # relative; smoke runs are 30 steps, where one early step moves the loss by up to ~4 %
+# relative; smoke runs are 30 steps, where one early step moves the loss by up to ~16 % with the tuned (tied) group
+# step sizes: the check below that the step before each CL model was above CL is what shows the crossing is found
+CL_TOLERANCE = 0.2
 
 
 def test_lr_grid_and_overrides():

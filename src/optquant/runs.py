@@ -34,6 +34,9 @@ from optquant.config import RunConfig, from_dict, run_id, to_dict
 from optquant.errors import OptquantError
 from optquant.files import NUMBER, check_record, open_nofollow, parse_metrics, read_json
 
+# A finished run's loss is a cross-entropy in nats: a uniform guess over a 2^31-token vocabulary is 21.5, and a run
+# far above its start is marked diverged; anything above this bound in a "done" summary is damage.
+MAX_LOSS = 1e3
 # summary.json's fields and the types train._summarise writes (None where a run may have no value)
 SUMMARY_FIELDS: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("steps", "total_steps", "n_params", "n_params_non_embedding", "optimizer_state_bytes",
@@ -89,6 +92,9 @@ def read_summary(path: Path) -> dict[str, Any] | None:
     for key in ("final_val_loss", "best_val_loss"):  # a finished run evaluated at its last step
         if record["status"] == "done" and not isinstance(record.get(key), NUMBER):
             raise OptquantError(f"{summary}: status 'done' without a {key}{redo}")
+        if record["status"] == "done" and not 0 <= record[key] <= MAX_LOSS:
+            raise OptquantError(f"{summary}: field {key!r} is {record[key]!r}, not a finished run's loss "
+                                f"(a cross-entropy in [0, {MAX_LOSS:g}] nats){redo}")
     return record
 
 
