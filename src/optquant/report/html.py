@@ -28,7 +28,8 @@ class Section:
 
 
 _TEXT_COLUMNS = {"size", "optimizer", "scheme", "metric", "target", "paper", "quantity", "paper claim", "source",
-                 "how we check", "ours", "fit notes", "verdict", "status", "reason"}  # left-aligned
+                 "how we check", "ours", "fit notes", "verdict", "status", "reason", "parameter group",
+                 "how chosen", "needs"}  # left-aligned
 
 _VERDICT_CLASS = {"supported": "yes", "contradicted": "no", "not resolved at this scale": "partly",
                   "not testable with this design": "untestable"}
