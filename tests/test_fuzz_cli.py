@@ -372,6 +372,7 @@ def _hf_case(tmp_path, capsys, hf_export, corpus, case):
 
 
 @_settings(30)
+@example(case=("config", {"model_type": []}))  # found by this test: an unhashable model_type
 @given(case=HF_CASE)
 @example(case=("config", {"model_type": "qwen3", "head_dim": 8}))  # Llama weights labelled Qwen3
 @example(case=("config", {"num_attention_heads": 0}))

@@ -183,6 +183,7 @@ _RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "robust.every": _ONE_UP,
 }
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+MAX_NAME = 128  # a run directory's name adds the optimizer and a hash; file names stop at 255 bytes
 
 
 def _check_type(value: Any, tp: Any, path: str) -> None:
@@ -261,8 +262,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise OptquantError(f"optimizer plugin {cfg.optim.name!r} declares no default_lr: set optim.lr=... "
                             f"(in a study: lrs.{cfg.optim.name}=...)")
     _check_fields(cfg, "", "")
-    if not _NAME.fullmatch(cfg.name):
-        raise OptquantError(f"name={cfg.name!r}: use letters, digits and . _ + - (it names the run directory)")
+    if not _NAME.fullmatch(cfg.name) or len(cfg.name) > MAX_NAME:
+        raise OptquantError(f"name={cfg.name[:40]!r}{'…' if len(cfg.name) > 40 else ''}: use at most {MAX_NAME} "
+                            "letters, digits and . _ + - (it names the run directory)")
     if cfg.preset and not _NAME.fullmatch(cfg.preset):
         raise OptquantError(f"preset={cfg.preset!r}: use letters, digits and . _ + - (it labels the run's size)")
     tc = cfg.train

@@ -34,7 +34,7 @@ def check_hf_config(path: Path) -> dict:
     config = read_json(file)
     if not isinstance(config, dict):
         raise OptquantError(f"{file}: not a Hugging Face config (a JSON object)")
-    if config.get("model_type") not in FAMILIES:
+    if not isinstance(config.get("model_type"), str) or config["model_type"] not in FAMILIES:
         raise OptquantError(f"{file}: model_type {config.get('model_type')!r} is not supported; supported: "
                             f"{', '.join(FAMILIES)}")
     for key in (*_SIZES, *_OPTIONAL_SIZES):

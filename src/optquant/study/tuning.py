@@ -61,9 +61,11 @@ def group_fields(spec: StudySpec, opt: str) -> list[tuple[str, str, str]]:
 def initial_ratios(spec: StudySpec, opt: str) -> dict[str, float]:
     """Each searched group's starting ratio: the run config's own if set (> 0), else the fixed value over
     the default lr (the authors' setting at their default LR)."""
+    if not (fields := group_fields(spec, opt)):  # a plugin, or no group tuning: nothing to search
+        return {}
     optim = run_config(spec, spec.sizes[0], opt).optim
     default = type(optim)()
-    return {r: getattr(optim, r) or round_lr(getattr(default, f) / default.lr) for _, f, r in group_fields(spec, opt)}
+    return {r: getattr(optim, r) or round_lr(getattr(default, f) / default.lr) for _, f, r in fields}
 
 
 def centred(x: float, step: float, points: int) -> list[float]:

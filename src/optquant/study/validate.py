@@ -18,6 +18,7 @@ import math
 import os
 import re
 
+from optquant.config import MAX_NAME
 from optquant.errors import OptquantError
 from optquant.optim import OPTIMIZERS, is_optimizer
 from optquant.quant.ptq import SCHEMES
@@ -42,8 +43,9 @@ def _at_least(what: str, value, low: int) -> None:
 
 def validate_spec(spec: StudySpec) -> StudySpec:
     """Check `spec` (see the module docstring); returns it. One OptquantError naming the setting."""
-    if not _NAME.fullmatch(spec.name):
-        raise OptquantError(f"name={spec.name!r}: use letters, digits and . _ + - (it names the study's runs)")
+    if not _NAME.fullmatch(spec.name) or len(spec.name) > MAX_NAME - 16:
+        raise OptquantError(f"name={spec.name[:40]!r}{'…' if len(spec.name) > 40 else ''}: use at most "
+                            f"{MAX_NAME - 16} letters, digits and . _ + - (it names the study's runs)")
     _list("sizes", spec.sizes)
     _list("optimizers", spec.optimizers)
     _list("seeds", spec.seeds)
