@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_reliability import one_line_error  # the same one-line-error check as the reliability tests
 
 from optquant.cli import main
 from optquant.config import resolve
@@ -32,14 +33,6 @@ def nano_args(corpus, out, *extra: str) -> list[str]:
 
 def nano_dir(corpus, out, *extra: str) -> Path:
     return run_dir(out, resolve("nano", None, [f"data.source={corpus}", *SETS, *extra]))
-
-
-def one_line_error(capsys, *needles: str) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("optquant: error:") and "\n" not in err and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import numpy as np
 from optquant.report.load import StudyData, fit_rho4
 
 NOT_TESTABLE = "not testable with this design"
-MIN_SHARE = 0.01  # study/tuning.py's: a group moving at least this share of the parameters must be tuned
+MIN_SHARE = 0.01  # a group moving at least this share of the parameters must have a tuned step size
 MIN_BLOCKS = 2
 MIN_RHO = 3
 TIMING_CV = 0.10

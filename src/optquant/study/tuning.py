@@ -146,9 +146,6 @@ def tune(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict], RunC
     return out
 
 
-MIN_SHARE = 0.01  # a group moving at least this share of the parameters needs its step size tuned
-
-
 def step_sizes(cfg: RunConfig, searched: set[str]) -> list[dict[str, Any]]:
     """Every step size of `cfg`'s optimizers as built: the parameter groups it moves (embeddings, vectors,
     matrices), their count and share, its base LR, and how it was chosen: "searched" (it is lr), "tied" (a
