@@ -14,7 +14,7 @@ import pytest
 from scipy import stats
 
 from optquant.errors import OptquantError
-from optquant.metrics.correlate import bootstrap_ci, correlate
+from optquant.study.correlate import bootstrap_ci, correlate
 
 
 def _models(n=20, seed=0):

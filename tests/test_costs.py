@@ -8,8 +8,8 @@ from dataclasses import asdict
 
 import pytest
 
-from optquant.analysis import AnalysisConfig, analyze, ptq_eval, scheme_config
 from optquant.config import apply_overrides, to_dict
+from optquant.ptq_stage import AnalysisConfig, ptq_analysis, ptq_damage, scheme_config
 from optquant.report.costs import cost_section, read_costs, utilisation
 from optquant.study import executor
 from optquant.study.executor import Job, estimate_cost, execute, longest_first
@@ -51,7 +51,7 @@ def test_costs_logged_and_finished_jobs_not_rerun(nano_cfg, tmp_path, monkeypatc
 
 
 def test_ptq_job_loads_once_and_matches_separate_calls(nano_cfg, tmp_path, monkeypatch):
-    import optquant.analysis as analysis
+    import optquant.ptq_stage as analysis
 
     cfg = apply_overrides(nano_cfg, ["train.steps=10"])
     run = tmp_path / "run"
@@ -70,7 +70,7 @@ def test_ptq_job_loads_once_and_matches_separate_calls(nano_cfg, tmp_path, monke
     for f in ("config.json", "model.safetensors", "summary.json"):
         (other / f).write_bytes((run / f).read_bytes())
     acfg = AnalysisConfig(weights="final", mc_items=20)
-    separate = {**ptq_eval(other, scheme, acfg), **analyze(other, scheme, acfg)}
+    separate = {**ptq_damage(other, scheme, acfg), **ptq_analysis(other, scheme, acfg)}
     assert json.dumps(out, sort_keys=True) == json.dumps(separate, sort_keys=True)
 
 

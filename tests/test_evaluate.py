@@ -25,13 +25,13 @@ from optquant.evaluate import (
     MCConfig,
     build_mc_items,
     continuation_logliks,
-    lm_eval_adapter,
     mc_accuracy,
     mc_eval,
     mc_scores,
     split_at_eot,
     val_loss,
 )
+from optquant.harness import lm_eval_adapter
 from optquant.model import LM, model_config
 
 EOT, V = 0, 50

@@ -2,7 +2,7 @@
 jsonl the test writes from its corpus) runs end to end via `optquant eval`, and its acc and acc_norm
 must equal the built-in scorer's (continuation_logliks + mc_scores) on the very same items.
 
-In a study (`eval.tasks`, `eval.include_path`): `ptq_eval` scores the FP model and its quantized copy with
+In a study (`eval.tasks`, `eval.include_path`): `ptq_damage` scores the FP model and its quantized copy with
 lm-eval (equal to the built-in scorer on each), and a smallest-scale study carries those scores into
 results.parquet and the report's Table 3c, Table 3 and claims, labelled with the task's name."""
 
@@ -16,11 +16,11 @@ from optquant.cli import main
 
 pytest.importorskip("lm_eval", reason="needs the eval extra: pip install 'optquant[eval]'")
 
-from optquant.analysis import AnalysisConfig, covers, load_run_model, ptq_eval  # noqa: E402
 from optquant.data import load_tokens  # noqa: E402
-from optquant.evaluate import MCItem, continuation_logliks, lm_eval_adapter, mc_scores  # noqa: E402
-from optquant.harness import HarnessConfig, check_harness  # noqa: E402
+from optquant.evaluate import MCItem, continuation_logliks, mc_scores  # noqa: E402
+from optquant.harness import HarnessConfig, check_harness, lm_eval_adapter  # noqa: E402
 from optquant.metrics.propagation import ptq_pair  # noqa: E402
+from optquant.ptq_stage import AnalysisConfig, covers, load_run_model, ptq_damage  # noqa: E402
 from optquant.quant.ptq import PTQConfig  # noqa: E402
 
 LOCAL = "optquant_local_mc"
@@ -140,7 +140,7 @@ def test_ptq_eval_scores_fp_and_quantized_with_lm_eval(trained_run, local_task):
     equal to the built-in scorer on that model; the built-in task is not run; the result covers its request."""
     tasks, items = local_task
     acfg = AnalysisConfig(mc_items=0, harness=check_harness(HarnessConfig(tasks=(LOCAL,), include_path=str(tasks))))
-    got = ptq_eval(trained_run, PTQConfig(), acfg)
+    got = ptq_damage(trained_run, PTQConfig(), acfg)
     cfg, model = load_run_model(trained_run)
     data = load_tokens(cfg.data, cfg.model.vocab_size)
     for side, m in zip(("fp", "q"), ptq_pair(model, PTQConfig()), strict=True):

@@ -134,8 +134,8 @@ def llama_run(nano_cfg, tmp_path, request):
 
 
 def test_export_llama_run_matches_our_logits_and_tokenizer(llama_run, tmp_path, corpus):
-    from optquant.analysis import load_run_model
     from optquant.data import load_tokens
+    from optquant.ptq_stage import load_run_model
 
     out = tmp_path / "exported"
     assert main(["export", str(llama_run), "--hf", str(out)]) == 0

@@ -70,7 +70,7 @@ def test_second_writer_gets_one_line_naming_the_holder(corpus, tmp_path, capsys)
 
 
 def test_ptq_takes_the_same_lock(done_run, capsys):
-    from optquant.analysis import AnalysisConfig, out_dir
+    from optquant.ptq_stage import AnalysisConfig, out_dir
 
     with locked(out_dir(done_run, AnalysisConfig(), "w4a4-rtn")):
         assert main(["ptq", str(done_run), "--mc-items", "0"]) == 2
@@ -215,7 +215,7 @@ def test_bad_corpus_file_is_one_line_naming_it(tmp_path, capsys, name, content, 
 
 def _results_parquet(path: Path) -> Path:
     """A results.parquet as the study writes it (analysis.write_parquet of a long table)."""
-    from optquant.analysis import write_parquet
+    from optquant.ptq_stage import write_parquet
 
     df = pd.DataFrame({"size": ["nano"], "n_params": [1000], "optimizer": ["adamw"], "lr": [1e-3], "seed": [0],
                        "kind": ["fp"], "best_lr": [True], "run_id": ["r"], "scheme": ["none"],

@@ -26,9 +26,9 @@ from optquant.errors import OptquantError
 from optquant.report import headline_tables, render_report, report_markdown
 from optquant.report.claims import check_claims
 from optquant.report.design import NOT_TESTABLE
-from optquant.report.diagnostics import cl_table, correlation_table, cost_table, lr_status_table, tuning_table
-from optquant.report.fits import fit_diagnostics_table, table10, table10_joint
 from optquant.report.load import load_study
+from optquant.report.protocol import cl_table, correlation_table, cost_table, lr_status_table, tuning_table
+from optquant.report.scaling import fit_diagnostics_table, table10, table10_joint
 from optquant.report.tables import column_digits, table2, table3
 from optquant.stats import NOT_RESOLVED, summarize
 

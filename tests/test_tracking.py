@@ -23,13 +23,13 @@ def test_tensorboard_events_equal_metrics_jsonl(nano_cfg, tmp_path):
     pytest.importorskip("tensorboard", reason="needs the tensorboard extra: pip install 'optquant[tensorboard]'")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from optquant.analysis import AnalysisConfig, ptq_eval
+    from optquant.ptq_stage import AnalysisConfig, ptq_damage
     from optquant.quant.ptq import PTQConfig
 
     cfg = apply_overrides(nano_cfg, ["log.to=tensorboard"])
     path = run_dir(tmp_path, cfg)
     summary = train(cfg, path)
-    ptq = ptq_eval(path, PTQConfig(), AnalysisConfig(mc_items=0))
+    ptq = ptq_damage(path, PTQConfig(), AnalysisConfig(mc_items=0))
     acc = EventAccumulator(str(path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
     scalars = set(acc.Tags()["scalars"])
     records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]

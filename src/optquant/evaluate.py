@@ -1,4 +1,4 @@
-"""Evaluation: validation loss, a built-in offline multiple-choice task, and an optional lm-eval adapter.
+"""Evaluation: validation loss and a built-in offline multiple-choice task.
 
 The paper scores models by LM-Evaluation-Harness zero-shot acc_norm averaged over PIQA, HellaSwag and
 ARC-Easy (paper.md §2.4), which needs datasets this project never downloads. The built-in task is a
@@ -9,9 +9,7 @@ acc_norm = argmax of that log-likelihood divided by the continuation's length in
 `completion_len = len(choice)` on the string; `length="bytes"` or `"tokens"` switch the unit). Ties go
 to the first choice, as with np.argmax.
 
-`lm_eval_adapter` wraps a model for the real harness (run by `harness.lm_eval_tasks`); lm-eval is
-imported only there. Left out on purpose: few-shot prompts, generation tasks, and batching in the
-adapter (the authors' wrapper also uses batch size 1).
+The real harness (lm-eval) and the adapter that scores our models with it are in harness.py.
 """
 
 from __future__ import annotations
@@ -221,44 +219,3 @@ def mc_eval(model: nn.Module, data, cfg: MCConfig = MCConfig(), **kw) -> MCResul
     """The built-in task on a TokenData (`.val`, `.tokenizer`, `.eot_id`)."""
     items = build_mc_items(data.val, cfg, eot_id=data.eot_id, tokenizer=data.tokenizer)
     return mc_accuracy(model, items, **kw)
-
-
-# ---- optional: LM-Evaluation-Harness (pip install 'optquant[eval]') ----
-def _loglik(model: nn.Module, tokenizer, eot_id: int, context: str, continuation: str) -> tuple[float, bool]:
-    """log p(continuation | context) and whether it is the greedy continuation (lm-eval's contract)."""
-    ctx = tokenizer.encode(context, add_special_tokens=False).ids if context else []
-    whole = tokenizer.encode(context + continuation, add_special_tokens=False).ids
-    if whole[: len(ctx)] == ctx:  # lm-eval's split: encode the whole, so merges across the seam count
-        cont = whole[len(ctx) :]
-    else:
-        cont = tokenizer.encode(continuation, add_special_tokens=False).ids
-    if not cont:
-        return 0.0, True
-    ids = ([eot_id] + ctx + cont)[-(model.cfg.seq_len + 1) :]
-    x = torch.tensor([ids], device=next(model.parameters()).device)
-    logp = torch.log_softmax(model(x[:, :-1]).float(), dim=-1)[0, -len(cont) :]
-    target = x[0, -len(cont) :]
-    ll = logp.gather(-1, target[:, None]).sum().item()
-    return ll, bool((logp.argmax(-1) == target).all())
-
-
-def lm_eval_adapter(model: nn.Module, tokenizer, *, eot_id: int):
-    """An `lm_eval.api.model.LM` scoring with `model` (loglikelihood only, as the authors' wrapper)."""
-    try:
-        from lm_eval.api.model import LM as HarnessLM
-    except ImportError as e:
-        raise OptquantError("lm-eval is not installed: pip install 'optquant[eval]' (lm-eval==0.4.13)") from e
-
-    class Adapter(HarnessLM):
-        @torch.no_grad()
-        def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-            model.eval()
-            return [_loglik(model, tokenizer, eot_id, *r.args) for r in requests]
-
-        def loglikelihood_rolling(self, requests):
-            raise NotImplementedError("optquant's lm-eval adapter scores multiple-choice tasks only")
-
-        def generate_until(self, requests):
-            raise NotImplementedError("optquant's lm-eval adapter scores multiple-choice tasks only")
-
-    return Adapter()

@@ -1,7 +1,7 @@
 """`optquant eval RUN|--hf PATH --tasks ...`: zero-shot multiple-choice tasks of the real LM-Evaluation-Harness
 (lm-eval 0.4.x, `pip install 'optquant[eval]'`) on one of our runs or a local Hugging Face causal LM.
 
-The model is scored through `optquant.evaluate.lm_eval_adapter` (loglikelihood requests only; each
+The model is scored through `lm_eval_adapter` below (loglikelihood requests only; each
 request is [EOS] + context + continuation, the continuation's tokens split off the encoding of the
 whole string as lm-eval does). Nothing downloads: the harness runs offline (HF_DATASETS_OFFLINE=1,
 HF_HUB_OFFLINE=1), so task data must already be in the local Hugging Face cache, or the task must be a
@@ -9,7 +9,7 @@ local one (`--include-path DIR` of task YAMLs, e.g. over a jsonl file). Each tas
 acc_norm (acc_norm: log-likelihood per character of the choice) with lm-eval's standard errors and n.
 
 A study scores its Common-Loss models on such tasks instead of the built-in one with `--set eval.tasks=...`
-(`HarnessConfig`, StudySpec.eval): FP and quantized, under every PTQ scheme (optquant.analysis).
+(`HarnessConfig`, StudySpec.eval): FP and quantized, under every PTQ scheme (optquant.ptq_stage).
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ import importlib.util
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optquant.errors import OptquantError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,6 @@ def lm_eval_tasks(model, tokenizer, eot_id: int, tasks: list[str], *, include_pa
     require_lm_eval()
     from lm_eval.evaluator import evaluate
 
-    from optquant.evaluate import lm_eval_adapter
-
     manager = task_manager(tuple(tasks), str(include_path) if include_path else None)
     adapter = lm_eval_adapter(model, tokenizer, eot_id=eot_id)
     try:
@@ -108,3 +109,48 @@ def lm_eval_tasks(model, tokenizer, eot_id: int, tasks: list[str], *, include_pa
         out[task] = {m: r.get(f"{m},none") for m in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
         out[task]["n"] = int(res["n-samples"][task]["effective"])
     return out
+
+
+def _loglik(model: nn.Module, tokenizer, eot_id: int, context: str, continuation: str) -> tuple[float, bool]:
+    """log p(continuation | context) and whether it is the greedy continuation (lm-eval's contract)."""
+    import torch
+
+    ctx = tokenizer.encode(context, add_special_tokens=False).ids if context else []
+    whole = tokenizer.encode(context + continuation, add_special_tokens=False).ids
+    if whole[: len(ctx)] == ctx:  # lm-eval's split: encode the whole, so merges across the seam count
+        cont = whole[len(ctx) :]
+    else:
+        cont = tokenizer.encode(continuation, add_special_tokens=False).ids
+    if not cont:
+        return 0.0, True
+    ids = ([eot_id] + ctx + cont)[-(model.cfg.seq_len + 1) :]
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    logp = torch.log_softmax(model(x[:, :-1]).float(), dim=-1)[0, -len(cont) :]
+    target = x[0, -len(cont) :]
+    ll = logp.gather(-1, target[:, None]).sum().item()
+    return ll, bool((logp.argmax(-1) == target).all())
+
+
+def lm_eval_adapter(model: nn.Module, tokenizer, *, eot_id: int):
+    """An `lm_eval.api.model.LM` scoring with `model` (loglikelihood only, as the authors' wrapper). Left out on
+    purpose: few-shot prompts, generation tasks, and batching (the authors' wrapper also uses batch size 1)."""
+    import torch
+
+    try:
+        from lm_eval.api.model import LM as HarnessLM
+    except ImportError as e:
+        raise OptquantError("lm-eval is not installed: pip install 'optquant[eval]' (lm-eval==0.4.13)") from e
+
+    class Adapter(HarnessLM):
+        @torch.no_grad()
+        def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+            model.eval()
+            return [_loglik(model, tokenizer, eot_id, *r.args) for r in requests]
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError("optquant's lm-eval adapter scores multiple-choice tasks only")
+
+        def generate_until(self, requests):
+            raise NotImplementedError("optquant's lm-eval adapter scores multiple-choice tasks only")
+
+    return Adapter()

@@ -60,7 +60,7 @@ def _ptq_config(args: argparse.Namespace):
 
 
 def _analysis_config(args: argparse.Namespace):
-    from optquant.analysis import AnalysisConfig
+    from optquant.ptq_stage import AnalysisConfig
 
     return AnalysisConfig(weights=args.weights, mc_items=args.mc_items)
 
@@ -68,7 +68,7 @@ def _analysis_config(args: argparse.Namespace):
 def _hf_quant(args: argparse.Namespace, what: str) -> int:
     """`ptq --hf PATH` / `analyze --hf PATH`: the same analyses on a local Hugging Face causal LM."""
     from optquant.data import DataConfig
-    from optquant.hf.analysis import HFSource, default_out, hf_analyze, hf_ptq_eval
+    from optquant.hf.ptq_stage import HFSource, default_out, hf_analysis, hf_damage
 
     if args.run_dir is not None:
         raise OptquantError(f"{what}: give a run directory or --hf PATH, not both")
@@ -77,7 +77,7 @@ def _hf_quant(args: argparse.Namespace, what: str) -> int:
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
     src = HFSource(args.hf, DataConfig(source=args.data), seq_len=args.seq_len)
     out = args.out or default_out(args.hf)
-    result = (hf_ptq_eval if what == "ptq" else hf_analyze)(src, qcfg, acfg, out)
+    result = (hf_damage if what == "ptq" else hf_analysis)(src, qcfg, acfg, out)
     print(json.dumps(result, indent=2))
     print(f"written: {out / qcfg.name}/")
     return 0
@@ -85,7 +85,7 @@ def _hf_quant(args: argparse.Namespace, what: str) -> int:
 
 def _quantized(args: argparse.Namespace) -> int:
     """`optquant ptq` (damage: summary.json) or `optquant analyze` (outliers + ABC) of one run or HF model."""
-    from optquant.analysis import analyze, out_dir, ptq_eval
+    from optquant.ptq_stage import out_dir, ptq_analysis, ptq_damage
     from optquant.runs import locked
 
     what = args.command
@@ -99,7 +99,7 @@ def _quantized(args: argparse.Namespace) -> int:
                             "optquant train)")
     out = out_dir(args.run_dir, acfg, qcfg.name)
     with locked(out, wait=False):
-        result = (ptq_eval if what == "ptq" else analyze)(args.run_dir, qcfg, acfg)
+        result = (ptq_damage if what == "ptq" else ptq_analysis)(args.run_dir, qcfg, acfg)
     print(json.dumps(result, indent=2))
     written = "summary.json" if what == "ptq" else "{analysis.json,outliers.parquet,propagation.parquet}"
     print(f"written: {out}/{written}")

@@ -60,10 +60,10 @@ def _study(args: argparse.Namespace) -> int:
     toml_preset, toml_overrides = load_toml(args.config) if args.config else (None, [])
     spec = study_preset(args.preset or toml_preset or "cpu")
     if args.dry_run:
-        from optquant.budget import split_plan_overrides
-        from optquant.study.budget import study_lines
+        from optquant.cost import split_gpu_overrides
+        from optquant.study.dryrun import study_lines
 
-        plan, overrides = split_plan_overrides(toml_overrides + (args.set or []))
+        plan, overrides = split_gpu_overrides(toml_overrides + (args.set or []))
         print("\n".join(study_lines(validate_spec(apply_study_overrides(spec, overrides)), plan)))
         return 0
     spec = validate_spec(apply_study_overrides(spec, toml_overrides + (args.set or [])))
@@ -200,7 +200,7 @@ class Progress:
 
 
 def _fit(args: argparse.Namespace) -> int:
-    from optquant.report.fits import verdict
+    from optquant.report.scaling import verdict
     from optquant.study.results import refit
 
     with _study_files(args.study_dir):

@@ -48,10 +48,10 @@ def run(args: argparse.Namespace) -> int:
     from optquant.train import train
 
     if args.dry_run:
-        from optquant.budget import budget_lines, split_plan_overrides
+        from optquant.cost import cost_lines, split_gpu_overrides
 
-        plan, overrides = split_plan_overrides(args.set or [])
-        print("\n".join(budget_lines(resolve(args.preset, args.config, overrides), plan)))
+        plan, overrides = split_gpu_overrides(args.set or [])
+        print("\n".join(cost_lines(resolve(args.preset, args.config, overrides), plan)))
         return 0
     cfg = resolve(args.preset, args.config, args.set or [])
     path = run_dir(args.out, cfg)

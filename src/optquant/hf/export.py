@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from optquant.analysis import Weights, load_run_model
 from optquant.checkpoint import temp_path
 from optquant.data import EOT, load_tokens
 from optquant.errors import OptquantError
 from optquant.hf import require_transformers
 from optquant.model import LM
+from optquant.ptq_stage import Weights, load_run_model
 
 
 def rope_permutation(head_dim: int) -> torch.Tensor:

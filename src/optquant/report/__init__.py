@@ -20,11 +20,11 @@ from optquant.files import open_nofollow
 from optquant.report import curves, figures, paper
 from optquant.report.claims import claims_table
 from optquant.report.costs import cost_section
-from optquant.report.diagnostics import cl_table, correlation_table, cost_table, lr_status_table, tuning_table
-from optquant.report.fits import fit_diagnostics_table, table10, table10_joint
 from optquant.report.html import Section, page
 from optquant.report.load import StudyData, load_study
+from optquant.report.protocol import cl_table, correlation_table, cost_table, lr_status_table, tuning_table
 from optquant.report.robust import robust_section
+from optquant.report.scaling import fit_diagnostics_table, table10, table10_joint
 from optquant.report.tables import (
     Table,
     outlier_table,

@@ -9,8 +9,8 @@ accuracy as the paper reports it: Table 3c, zero-shot acc_norm in % of the CL mo
 
 Every headline number is mean ± sd [95 % t-interval] (n seeds) and every ranking is a ranking with ties
 from paired sign-flip tests (optquant.stats): per size over seeds, and pooled over sizes as blocks.
-Table 10 (the scaling fits) is in fits.py; the CL-model, LR-search, cost and correlation tables in
-diagnostics.py.
+Table 10 (the scaling fits) is in scaling.py; the CL-model, LR-search, cost and correlation tables in
+protocol.py.
 
 Left out on purpose: re-deriving the paper's accuracy numbers from ours.
 """

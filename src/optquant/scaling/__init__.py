@@ -14,14 +14,14 @@ All runs use D = 20·N, so the iso-ratio form has one size variable.
   It is the headline ρ, as the authors later recommended.
 
 Files, in reading order: law.py (points, config, results, `predict`), fit.py (the entry points),
-design.py (the objective and its optimizer), intervals.py (bootstrap, jackknife), diagnostics.py
+design.py (the objective and its optimizer), intervals.py (bootstrap, jackknife), checks.py
 (residuals, correlations, the "identified" verdict).
 
 Left out on purpose: the two-variable form B/D^β (D is tied to N here), and fitting bits as a
 continuous variable (Kumar et al. 2024); each bit width gets its own ρ.
 """
 
-from optquant.scaling.diagnostics import judge
+from optquant.scaling.checks import judge
 from optquant.scaling.fit import fit_joint, fit_law, fit_laws
 from optquant.scaling.law import FitConfig, FitDiagnostics, JointFit, LawFit, ScalingPoint, predict
 

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Sequence
 
 from optquant.errors import OptquantError
+from optquant.scaling.checks import diagnose, judge, judged, spreads
 from optquant.scaling.design import (
     DesignFn,
     check_points,
@@ -16,7 +17,6 @@ from optquant.scaling.design import (
     one_blas_thread,
     starts,
 )
-from optquant.scaling.diagnostics import diagnose, judge, judged, spreads
 from optquant.scaling.intervals import bootstrap, jackknife, resampling_strata
 from optquant.scaling.law import FitConfig, JointFit, LawFit, ScalingPoint
 

@@ -88,8 +88,8 @@ def timed_job(job: Job) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def done_result(job: Job) -> dict[str, Any] | None:
     """The result of a job whose outputs already exist (read from its files), else None."""
-    from optquant.analysis import covers, read_result
     from optquant.files import read_json
+    from optquant.ptq_stage import covers, read_result
     from optquant.runs import read_summary
     from optquant.study.jobs import analysis_config
 
@@ -123,7 +123,7 @@ def estimate_cost(job: Job) -> float:
     if job.cost > 0:
         return job.cost
     try:
-        from optquant.budget import meta_model, training_flops
+        from optquant.cost import meta_model, training_flops
         from optquant.model import count_params
         from optquant.train import total_steps
 

@@ -10,18 +10,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from optquant.analysis import (
+from optquant.config import from_dict
+from optquant.harness import HarnessConfig
+from optquant.ptq_stage import (
     AnalysisConfig,
     LoadedRun,
-    analyze,
     covers,
     fp_outliers,
     out_dir,
-    ptq_eval,
+    ptq_analysis,
+    ptq_damage,
     read_result,
 )
-from optquant.config import from_dict
-from optquant.harness import HarnessConfig
 from optquant.quant.ptq import PTQConfig
 from optquant.runs import locked
 from optquant.train import train
@@ -55,12 +55,12 @@ def ptq_job(run_dir: str, ptq: dict[str, Any], weights: str, mc_items: int,
         damage = read_result(path, acfg, qcfg.name, "summary.json")
         if not covers(damage, acfg):
             run = LoadedRun(path, acfg.weights)
-            damage = ptq_eval(path, qcfg, acfg, run)
+            damage = ptq_damage(path, qcfg, acfg, run)
         parts["ptq"] = time.perf_counter() - t
         t = time.perf_counter()
         metrics = read_result(path, acfg, qcfg.name, "analysis.json")
         if metrics is None:
-            metrics = analyze(path, qcfg, acfg, run or LoadedRun(path, acfg.weights))
+            metrics = ptq_analysis(path, qcfg, acfg, run or LoadedRun(path, acfg.weights))
         parts["analysis"] = time.perf_counter() - t
     return {**damage, **metrics, TIMING_KEY: parts}
 

@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from optquant.analysis import scheme_config
 from optquant.checkpoint import atomic_write_json, atomic_write_text
 from optquant.config import RunConfig, to_dict
 from optquant.harness import HarnessConfig, task_manager
+from optquant.ptq_stage import scheme_config
 from optquant.runs import read_config, read_metrics, run_dir
 from optquant.study.bracket import bracket
 from optquant.study.executor import Job, WorkerPool, execute, threads_per_worker

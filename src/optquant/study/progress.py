@@ -3,7 +3,7 @@
 Counting jobs makes a poor clock: a study's jobs differ a thousandfold in cost (a PTQ job takes a
 second, a QAT run at the largest size minutes), and the slow QAT stage comes after the fast PTQ jobs. So
 the plan is priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start: its
-expected job count (the dry run's stages, study/budget.py, with one LR extension round per search as
+expected job count (the dry run's stages, study/dryrun.py, with one LR extension round per search as
 `estimate_jobs` assumes and half of any other upper bound) and a prior cost per job (training FLOPs, or
 PTQ forward passes, at `CPU_FLOPS`; half the CL upper bound). Each costs.jsonl record (study/executor.py)
 then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best
@@ -50,7 +50,7 @@ class Cell:
 
 
 def expected(stage: str, spec: StudySpec) -> float:
-    """The share of a dry-run stage's upper bound (study/budget.py) a study is expected to run: one of the
+    """The share of a dry-run stage's upper bound (study/dryrun.py) a study is expected to run: one of the
     `lr_extensions` rounds (what `estimate_jobs` assumes), half of any other bound, all of the rest."""
     if "extension" in stage:
         return min(1.0, 1 / max(1, spec.lr_extensions))
@@ -59,13 +59,13 @@ def expected(stage: str, spec: StudySpec) -> float:
 
 def plan_cells(spec: StudySpec) -> dict[tuple[str, str, str], Cell]:
     """(class, optimizer, size) → its expected jobs and prior seconds per job, from the StudySpec alone:
-    the dry run's stages (study/budget.py `stages`, scaled by `expected`) and its FLOPs."""
+    the dry run's stages (study/dryrun.py `stages`, scaled by `expected`) and its FLOPs."""
     from collections import Counter
 
-    from optquant.budget import DEFAULT_PLAN
-    from optquant.study.budget import cl_fraction, run_budgets, stages
+    from optquant.cost import DEFAULT_GPU
+    from optquant.study.dryrun import cl_fraction, run_costs, stages
 
-    budgets = run_budgets(spec, DEFAULT_PLAN)
+    budgets = run_costs(spec, DEFAULT_GPU)
     runs: dict[str, Counter] = {c: Counter() for c in ("fp", "cl", "qat", "sweeps")}
     for st in stages(spec):
         cls = "cl" if st.name.startswith("common loss") else "qat" if st.name == "qat" else \

@@ -29,14 +29,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from optquant.analysis import AnalysisConfig, read_result, write_parquet
 from optquant.checkpoint import atomic_write_json
 from optquant.errors import OptquantError
 from optquant.files import check_numeric_columns, read_json, read_parquet
-from optquant.metrics.correlate import correlate
 from optquant.metrics.outliers import OUTLIER_METRICS
+from optquant.ptq_stage import AnalysisConfig, read_result, write_parquet
 from optquant.runs import read_config, read_summary
 from optquant.scaling import FitConfig, ScalingPoint, fit_joint, fit_laws, judge
+from optquant.study.correlate import correlate
 
 log = logging.getLogger(__name__)
 TIMING = ("mean_step_seconds", "tokens_per_s")

@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from optquant.analysis import AnalysisConfig, LoadedRun, analyze_model, ptq_eval_model
 from optquant.config import RunConfig, TrainConfig
 from optquant.data import DataConfig, TokenData, read_documents, split_documents
 from optquant.errors import OptquantError
 from optquant.hf import load_hf, load_hf_tokenizer
 from optquant.model import ModelConfig
+from optquant.ptq_stage import AnalysisConfig, LoadedRun, model_analysis, model_damage
 from optquant.quant.ptq import PTQConfig
 
 TRAIN_TOKENS_PER_SEQUENCE = 4  # calibration needs gptq_sequences windows: encode ~4x that many train tokens
@@ -71,11 +71,11 @@ def default_out(path: Path) -> Path:
     return Path("hf-analysis") / Path(path).resolve().name
 
 
-def hf_ptq_eval(src: HFSource, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
+def hf_damage(src: HFSource, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
     cfg, model, data = _setup(src, acfg)
-    return ptq_eval_model(LoadedRun.of(cfg, model, data), qcfg, acfg, Path(out) / qcfg.name)
+    return model_damage(LoadedRun.of(cfg, model, data), qcfg, acfg, Path(out) / qcfg.name)
 
 
-def hf_analyze(src: HFSource, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
+def hf_analysis(src: HFSource, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
     cfg, model, data = _setup(src, acfg)
-    return analyze_model(LoadedRun.of(cfg, model, data), qcfg, acfg, Path(out) / qcfg.name)
+    return model_analysis(LoadedRun.of(cfg, model, data), qcfg, acfg, Path(out) / qcfg.name)

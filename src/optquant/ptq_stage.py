@@ -1,6 +1,6 @@
 """PTQ and analysis of a finished run: what `optquant ptq` and `optquant analyze` do.
 
-`ptq_eval` quantizes a copy of a run's model (final or Common-Loss weights) and measures the damage
+`ptq_damage` quantizes a copy of a run's model (final or Common-Loss weights) and measures the damage
 on the very tokens the run validated on: validation loss and the built-in multiple-choice accuracy,
 FP and quantized (with `AnalysisConfig.harness` tasks, lm-eval's acc and acc_norm on them instead).
 `analyze` measures the FP model's outliers (MMR, kurtosis, kurtRMS per layer) and the ABC error
@@ -112,12 +112,12 @@ def out_dir(run_dir: Path, acfg: AnalysisConfig, scheme: str) -> Path:
     return Path(run_dir) / "ptq" / acfg.weights / scheme
 
 
-def ptq_eval(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig(),
+def ptq_damage(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig(),
              run: LoadedRun | None = None) -> dict[str, Any]:
     """Val loss and MC accuracy of the FP model and its quantized copy; writes summary.json.
     `run`: the run already loaded (shared with `analyze` in one job)."""
     run = run or LoadedRun(run_dir, acfg.weights)
-    result = ptq_eval_model(run, qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
+    result = model_damage(run, qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
     _track(run.cfg, run_dir, f"ptq/{acfg.weights}/{qcfg.name}", result)
     return result
 
@@ -132,8 +132,8 @@ def _track(cfg: RunConfig, run_dir: Path, prefix: str, result: dict) -> None:
     tracker.close()
 
 
-def ptq_eval_model(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out_path: Path) -> dict[str, Any]:
-    """ptq_eval on a loaded model (ours or optquant.hf's, see LoadedRun.of); writes out_path/summary.json."""
+def model_damage(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out_path: Path) -> dict[str, Any]:
+    """ptq_damage on a loaded model (ours or optquant.hf's, see LoadedRun.of); writes out_path/summary.json."""
     cfg, data = run.cfg, run.data
     val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
     fp, q = run.pair(qcfg, acfg)
@@ -175,15 +175,15 @@ def covers(summary: dict[str, Any] | None, acfg: AnalysisConfig) -> bool:
     return not h.tasks or (set(h.tasks) <= set(summary.get("tasks") or {}) and done.get("limit") == h.limit)
 
 
-def analyze(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig(),
+def ptq_analysis(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig(),
             run: LoadedRun | None = None) -> dict[str, Any]:
     """Outliers of the FP model and the ABC decomposition against its quantized copy.
-    `run`: the run already loaded (shared with `ptq_eval` in one job)."""
-    return analyze_model(run or LoadedRun(run_dir, acfg.weights), qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
+    `run`: the run already loaded (shared with `ptq_damage` in one job)."""
+    return model_analysis(run or LoadedRun(run_dir, acfg.weights), qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
 
 
-def analyze_model(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
-    """analyze on a loaded model (ours or optquant.hf's, see LoadedRun.of); writes into `out`."""
+def model_analysis(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
+    """ptq_analysis on a loaded model (ours or optquant.hf's, see LoadedRun.of); writes into `out`."""
     cfg, model, data = run.cfg, run.model, run.data
     calib = _batches(cfg, data.val, acfg.calib_batches, cfg.seed + 12345)
     skip = () if qcfg.quantize_head else ("lm_head",)
@@ -223,7 +223,7 @@ def write_parquet(path: Path, df: pd.DataFrame) -> None:
 
 
 def read_result(run_dir: Path, acfg: AnalysisConfig, scheme: str, what: str) -> dict | None:
-    """A PTQ job's summary.json or analysis.json, checked for the types ptq_eval/analyze write, or None."""
+    """A PTQ job's summary.json or analysis.json, checked for the types ptq_damage/ptq_analysis write, or None."""
     path = out_dir(run_dir, acfg, scheme) / what
     if not path.exists():
         return None

@@ -1,6 +1,6 @@
 """The cost and memory of one run, from shapes alone: parameters, tokens, FLOPs, peak memory, GPU-hours.
 
-`run_budget(cfg, plan)` builds the model on the meta device (no memory, no compute) and reads off:
+`run_cost(cfg, plan)` builds the model on the meta device (no memory, no compute) and reads off:
 - parameters N (a tied embedding once) and tokens D = steps × batch × sequence length;
 - training FLOPs 6·N_mm·D + 12·L·d·T·D (PaLM's count, appendix B: N_mm are the matmul weights — the
   head once, an untied input embedding is a lookup — and 12·L·d·T per token is attention's QKᵀ and AV,
@@ -11,7 +11,7 @@
 
 The optimizer state is computed per parameter with the rules of the code that allocates it (each rule
 below names it), so `state_bytes` of a really built optimizer after a step matches it
-(tests/test_budget.py). Activations are an estimate (see `activation_bytes`); everything else is exact.
+(tests/test_cost.py). Activations are an estimate (see `activation_bytes`); everything else is exact.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ ACCELERATORS = {
 
 
 @dataclass(frozen=True)
-class PlanConfig:
+class GPUConfig:
     """`--set plan.gpu=a100 --set plan.mfu=0.35` on `optquant train/study --dry-run`."""
 
     gpu: str = "h100"
@@ -63,14 +63,14 @@ class PlanConfig:
         return ACCELERATORS[self.gpu]
 
 
-DEFAULT_PLAN = PlanConfig()
+DEFAULT_GPU = GPUConfig()
 
 
-def split_plan_overrides(overrides: list[str]) -> tuple[PlanConfig, list[str]]:
-    """(PlanConfig from the `plan.*` overrides, the other overrides)."""
+def split_gpu_overrides(overrides: list[str]) -> tuple[GPUConfig, list[str]]:
+    """(GPUConfig from the `plan.*` overrides, the other overrides)."""
     from optquant.config import set_field
 
-    plan, rest = PlanConfig(), []
+    plan, rest = GPUConfig(), []
     for item in overrides:
         key, sep, value = item.partition("=")
         if key.strip().startswith("plan."):
@@ -197,7 +197,7 @@ def activation_bytes(cfg, micro: int, bf16: bool) -> int:
     """Peak activation memory of one micro-batch of `micro` sequences (an estimate).
 
     Per token and block, the tensors autograd saves for this model, with the coefficients measured by
-    saved-tensor hooks on CPU (tests/test_budget.py checks them within 20 %): fp32 4·(14·d + 2·h) bytes,
+    saved-tensor hooks on CPU (tests/test_cost.py checks them within 20 %): fp32 4·(14·d + 2·h) bytes,
     bf16 autocast 48·d + 6·h (h the MLP width; SwiGLU keeps twice as much per h). SDPA's fused kernels
     (flash / memory-efficient, used on CUDA and CPU alike) keep no T×T matrix. The head saves the
     logits (fp32 4·V; bf16 5·V) and the final norm (12–16·d), and the backward briefly adds the fp32
@@ -213,7 +213,7 @@ def activation_bytes(cfg, micro: int, bf16: bool) -> int:
 
 # -------------------------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
-class RunBudget:
+class RunCost:
     n_params: int
     n_params_non_embedding: int
     steps: int
@@ -255,7 +255,7 @@ def training_flops(cfg, n_matmul: int, tokens: int) -> float:
     return 6.0 * n_matmul * tokens + 12.0 * m.n_layer * m.d_model * m.seq_len * tokens
 
 
-def run_budget(cfg, plan: PlanConfig = DEFAULT_PLAN, model: nn.Module | None = None) -> RunBudget:
+def run_cost(cfg, plan: GPUConfig = DEFAULT_GPU, model: nn.Module | None = None) -> RunCost:
     """The cost and peak memory of training `cfg` (a RunConfig) as planned by `plan`."""
     from optquant.model import count_params
     from optquant.train import total_steps
@@ -279,11 +279,11 @@ def run_budget(cfg, plan: PlanConfig = DEFAULT_PLAN, model: nn.Module | None = N
     acts = activation_bytes(cfg, micro, bf16)
     fits = weights * 2 + state + acts <= acc.memory
     hours = flops / (acc.bf16_flops * plan.mfu) / 3600
-    budget = RunBudget(n, n_ne, steps, tokens, flops, micro, weights, weights, state, acts, hours, fits, None)
+    budget = RunCost(n, n_ne, steps, tokens, flops, micro, weights, weights, state, acts, hours, fits, None)
     return budget if fits else replace(budget, fix=_fix(cfg, plan, model, budget))
 
 
-def _fix(cfg, plan: PlanConfig, model: nn.Module, b: RunBudget) -> str:
+def _fix(cfg, plan: GPUConfig, model: nn.Module, b: RunCost) -> str:
     """The smallest change that fits: a larger grad_accum (smaller micro-batch), else a lower cap."""
     acc, tc = plan.accelerator(), cfg.train
     bf16 = tc.precision != "fp32"
@@ -314,9 +314,9 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def budget_lines(cfg, plan: PlanConfig = DEFAULT_PLAN) -> list[str]:
+def cost_lines(cfg, plan: GPUConfig = DEFAULT_GPU) -> list[str]:
     """`optquant train --dry-run`: the plan of one run, as printed lines."""
-    acc, b = plan.accelerator(), run_budget(cfg, plan)
+    acc, b = plan.accelerator(), run_cost(cfg, plan)
     lines = [
         f"run {cfg.name} ({cfg.optim.name}, lr {cfg.optim.lr:g}){' + QAT' if cfg.qat else ''}",
         f"  parameters {b.n_params:,} ({b.n_params_non_embedding:,} non-embedding)",

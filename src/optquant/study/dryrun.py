@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optquant.budget import DEFAULT_PLAN, PlanConfig, RunBudget, gb, meta_model, run_budget
+from optquant.cost import DEFAULT_GPU, GPUConfig, RunCost, gb, meta_model, run_cost
 from optquant.study.spec import StudySpec, lr_grid, run_config
 from optquant.study.tuning import group_fields
 
@@ -64,7 +64,7 @@ def _hours(h: float) -> str:
     return f"{h:>10,.1f}" if h >= 1 else f"{h:>10.3g}"
 
 
-def cl_fraction(spec: StudySpec, opt: str, size: str, b: RunBudget) -> float:
+def cl_fraction(spec: StudySpec, opt: str, size: str, b: RunCost) -> float:
     """A Common-Loss run's cost as a fraction of its full run: `eval_every` training steps, and an fp32
     evaluation (eval_batches micro-batches forward, a third of a step's FLOPs per sequence) every
     `cl_eval_every` steps."""
@@ -74,7 +74,7 @@ def cl_fraction(spec: StudySpec, opt: str, size: str, b: RunBudget) -> float:
     return (steps + evals) / b.steps
 
 
-def run_budgets(spec: StudySpec, plan: PlanConfig) -> dict[tuple[str, str], RunBudget]:
+def run_costs(spec: StudySpec, plan: GPUConfig) -> dict[tuple[str, str], RunCost]:
     """(optimizer, size) → the budget of one FP run (the LR does not change cost or memory)."""
     out = {}
     for size in spec.sizes:
@@ -82,14 +82,14 @@ def run_budgets(spec: StudySpec, plan: PlanConfig) -> dict[tuple[str, str], RunB
         for opt in spec.optimizers:
             cfg = run_config(spec, size, opt)
             model = model or meta_model(cfg)
-            out[(opt, size)] = run_budget(cfg, plan, model)
+            out[(opt, size)] = run_cost(cfg, plan, model)
     return out
 
 
-def study_lines(spec: StudySpec, plan: PlanConfig = DEFAULT_PLAN) -> list[str]:
+def study_lines(spec: StudySpec, plan: GPUConfig = DEFAULT_GPU) -> list[str]:
     """The dry-run plan of a study, as printed lines."""
     acc = plan.accelerator()
-    budgets = run_budgets(spec, plan)
+    budgets = run_costs(spec, plan)
     lines = [f"study {spec.name}: {len(spec.sizes)} sizes × {len(spec.optimizers)} optimizers, "
              f"{len(spec.seeds)} seed(s), executor {spec.executor}",
              f"accelerator {acc.name}: peak bf16 {acc.bf16_flops / 1e12:g} TFLOP/s, assumed MFU {plan.mfu:g}, "

@@ -1,25 +1,25 @@
-"""The planner (optquant.budget, study.budget, --dry-run) against really built models and optimizers."""
+"""The planner (optquant.cost, study.budget, --dry-run) against really built models and optimizers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from optquant.budget import (
-    PlanConfig,
+from optquant.cli import main
+from optquant.config import apply_overrides, run_preset
+from optquant.cost import (
+    GPUConfig,
     activation_bytes,
     meta_model,
     optimizer_state_bytes,
-    run_budget,
+    run_cost,
     shampoo_blocks,
-    split_plan_overrides,
+    split_gpu_overrides,
 )
-from optquant.cli import main
-from optquant.config import apply_overrides, run_preset
 from optquant.errors import OptquantError
 from optquant.model import LM, count_params, lm_loss
 from optquant.optim import OPTIMIZERS, build_optimizers, state_bytes
-from optquant.study.budget import stages
+from optquant.study.dryrun import stages
 from optquant.study.spec import study_preset
 
 # caps below the vocabulary (and, for Shampoo, below a hidden width) so every fallback path runs
@@ -100,7 +100,7 @@ def test_activation_estimate_near_saved_tensors(preset, bf16):
 
 def test_flops_tokens_and_memory_sum():
     cfg = apply_overrides(run_preset("nano"), ["train.steps=10", "model.tie_embeddings=false"])
-    b = run_budget(cfg)
+    b = run_cost(cfg)
     m = cfg.model
     model = LM(m)
     n_matmul = count_params(model) - model.embed.weight.numel()  # the untied input embedding is a lookup
@@ -114,28 +114,28 @@ def test_flops_tokens_and_memory_sum():
 
 
 def test_warning_names_a_fix_that_fits():
-    plan = PlanConfig(gpu="a10g")
+    plan = GPUConfig(gpu="a10g")
     cfg = apply_overrides(run_preset("350m"), ["optim.name=adamw"])
-    b = run_budget(cfg, plan)
+    b = run_cost(cfg, plan)
     assert not b.fits and b.fix.startswith("train.grad_accum=")
     accum = int(b.fix.split("=")[1].split()[0])
-    assert run_budget(apply_overrides(cfg, [f"train.grad_accum={accum}"]), plan).fits
-    assert not run_budget(apply_overrides(cfg, [f"train.grad_accum={accum // 2}"]), plan).fits
+    assert run_cost(apply_overrides(cfg, [f"train.grad_accum={accum}"]), plan).fits
+    assert not run_cost(apply_overrides(cfg, [f"train.grad_accum={accum // 2}"]), plan).fits
     # PSGD at 1.5B with the cap above the vocabulary: a 4 GB vocabulary factor and 8192² MLP factors
     # that no micro-batch makes fit on 40 GB; a lower cap does
     psgd = apply_overrides(run_preset("1.5b"), ["optim.name=psgd", "optim.max_size_triangular=40000"])
-    b = run_budget(psgd, PlanConfig(gpu="a100-40gb"))
+    b = run_cost(psgd, GPUConfig(gpu="a100-40gb"))
     assert not b.fits and b.fix.startswith("optim.max_size_triangular="), b.fix
     cap = int(b.fix.split("=")[1].split()[0])
     fixed = apply_overrides(psgd, [f"optim.max_size_triangular={cap}", f"train.grad_accum={b.fix.split('=')[-1]}"])
-    assert run_budget(fixed, PlanConfig(gpu="a100-40gb")).fits
+    assert run_cost(fixed, GPUConfig(gpu="a100-40gb")).fits
 
 
 def test_plan_overrides_and_bad_gpu():
-    plan, rest = split_plan_overrides(["plan.gpu=a100", "plan.mfu=0.3", "optim.lr=1e-3"])
-    assert plan == PlanConfig(gpu="a100", mfu=0.3) and rest == ["optim.lr=1e-3"]
+    plan, rest = split_gpu_overrides(["plan.gpu=a100", "plan.mfu=0.3", "optim.lr=1e-3"])
+    assert plan == GPUConfig(gpu="a100", mfu=0.3) and rest == ["optim.lr=1e-3"]
     with pytest.raises(OptquantError, match="plan.gpu=tpu"):
-        split_plan_overrides(["plan.gpu=tpu"])
+        split_gpu_overrides(["plan.gpu=tpu"])
 
 
 def test_stage_counts_follow_the_spec():
