@@ -228,8 +228,14 @@ def _check_type(value: Any, tp: Any, path: str) -> None:
         raise OptquantError(f"{path}={value!r}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__}")
 
 
-def _check_range(value: Any, keys: tuple[str, ...], path: str) -> None:
-    rule = next((_RANGES[k] for k in keys if k in _RANGES), None)
+def field_range(owner: str, section: str, name: str) -> tuple[float, float, bool, bool] | None:
+    """The (low, high, low inclusive, high inclusive) rule `validate` applies to field `name` of `section` (its
+    dotted path, "" at the top level) whose config is `owner` (the optimizer's name under optim, else the
+    section's name); None = its type only. docs/configuration.py documents every field with it."""
+    return next((_RANGES[k] for k in (f"{owner}.{name}", f"{section}.{name}", name) if k in _RANGES), None)
+
+
+def _check_range(value: Any, rule: tuple[float, float, bool, bool] | None, path: str) -> None:
     if rule is None or value is None or isinstance(value, bool) or not isinstance(value, int | float):
         return
     lo, hi, lo_in, hi_in = rule
@@ -250,7 +256,7 @@ def _check_fields(obj: Any, section: str, owner: str) -> None:
         if is_dataclass(value):
             _check_fields(value, path, getattr(value, "name", f.name) if f.name == "optim" else f.name)
         else:
-            _check_range(value, (f"{owner}.{f.name}", f"{section}.{f.name}", f.name), path)
+            _check_range(value, field_range(owner, section, f.name), path)
 
 
 def validate(cfg: RunConfig) -> RunConfig:
