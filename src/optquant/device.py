@@ -1,8 +1,8 @@
 """Which precision a device computes fast: one rule for the model's autocast and the optimizers' matmuls.
 
 bf16 pays only where the hardware multiplies bf16 natively: CUDA devices that support it, and CPUs with
-AVX512-BF16 or AMX. Elsewhere (e.g. AVX2-only CPUs) torch emulates bf16 matmuls, measured ~47× slower
-than fp32 on a 512×2048×512 product, so `auto` means fp32 there. `train.precision` and Muon's/Scion's
+AVX512-BF16 or AMX. Elsewhere (e.g. AVX2-only CPUs) torch emulates bf16 matmuls, many times slower than
+fp32 (docs/benchmarks.md), so `auto` means fp32 there. `train.precision` and Muon's/Scion's
 `ns_dtype` both go through `use_bf16`.
 
 `keep_freed_memory` is the other machine fact: how glibc's malloc returns memory to the kernel.
@@ -59,12 +59,10 @@ KEEP_BYTES = 1 << 30
 def keep_freed_memory() -> bool:
     """Let glibc's malloc keep freed blocks of up to 1 GiB for reuse instead of handing them back to the
     kernel. By default glibc maps big blocks afresh (mmap) and trims the heap's free top, so a tensor of a
-    few MB (at `pico`, the 1024×1024 logits and their gradients) can cost page faults on every step.
-    Measured on the 2-core AVX2 machine (README, Benchmarks): 1.04–1.64× per step in a process that only
-    trains (benchmarks/allocator.py), ~15 % on an `optquant train --preset pico`, 3.4 % of a one-worker
-    study's CPU time; in a two-worker `cpu` study system time fell from 449 s to 22 s of ~3,200 s (with
-    issue 11's other changes). Numbers are unchanged: only where the memory comes from differs. The cost is
-    resident memory: a process keeps its peak. Not touched when the user tunes malloc already
+    few MB (at `pico`, the 1024×1024 logits and their gradients) can cost page faults on every step; kept,
+    the same blocks are reused, which saves most of a study's system time (docs/benchmarks.md: per step with
+    benchmarks/allocator.py, a whole run, a whole study). Numbers are unchanged: only where the memory comes
+    from differs. The cost is resident memory: a process keeps its peak. Not touched when the user tunes malloc already
     (GLIBC_TUNABLES naming glibc.malloc, or MALLOC_*_ variables), nor off glibc. Returns whether it applied."""
     if not sys.platform.startswith("linux") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False

@@ -62,7 +62,7 @@ def require_lm_eval():
     return lm_eval
 
 
-@functools.cache  # indexing lm-eval's ~15k built-in tasks takes half a minute: once per process
+@functools.cache  # indexing lm-eval's ~15k built-in tasks is slow (docs/benchmarks.md): once per process
 def task_manager(tasks: tuple[str, ...], include_path: str | None):
     """An lm_eval TaskManager that knows every one of `tasks` (offline), or one clear error."""
     require_lm_eval()
@@ -88,8 +88,8 @@ def lm_eval_tasks(model, tokenizer, eot_id: int, tasks: list[str], *, include_pa
 
     Runs what `lm_eval.simple_evaluate` runs, `TaskManager.load` then `lm_eval.evaluator.evaluate`, without its
     extras: seeding the global RNGs (zero-shot scoring draws nothing, and a study's worker keeps its own state)
-    and collecting the environment (torch's collect_env: ~2.4 s per call here, and a study calls this twice per
-    Common-Loss model and scheme)."""
+    and collecting the environment (torch's collect_env is slow, docs/benchmarks.md, and a study calls this
+    twice per Common-Loss model and scheme)."""
     require_lm_eval()
     from lm_eval.evaluator import evaluate
 

@@ -14,7 +14,7 @@ from optquant.errors import OptquantError
 
 EPILOG = """examples:
   optquant study                                   # the default CPU study, into studies/cpu
-  optquant study --preset smoke                    # the same pipeline in about a minute
+  optquant study --preset smoke                    # the same pipeline at toy scale
   optquant study --set optimizers=adamw,muon,shampoo --set sizes=nano,micro
   optquant study --set lrs.muon=0.01,0.02,0.04 --set run=train.tokens_per_param=10
   optquant study --set sweeps.muon.optim.momentum=0.9,0.95   # a 1-D sweep at the smallest size
@@ -24,7 +24,7 @@ EPILOG = """examples:
 
 def add_parsers(sub) -> None:
     p = sub.add_parser("study", help="the whole study: LR sweeps, Common Loss, PTQ, ABC, QAT, fits, report",
-                       description="Runs (or resumes) the whole pipeline. Presets: smoke (about a minute), "
+                       description="Runs (or resumes) the whole pipeline. Presets: smoke (every stage at toy scale), "
                        "cpu (the default; a 2-core CPU), gpu, paper. Rerunning a killed study redoes nothing "
                        "that finished.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=["smoke", "cpu", "gpu", "paper"], help="study preset (default: cpu)")

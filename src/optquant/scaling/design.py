@@ -153,8 +153,8 @@ def fit_design(d: Design, cfg: FitConfig, starts: list[np.ndarray]) -> Fit:
 
 
 def one_blas_thread() -> contextlib.AbstractContextManager[Any]:
-    """L-BFGS-B calls BLAS on tiny matrices; threaded OpenBLAS makes that up to 50× slower on a busy
-    machine (measured on 2 cores). threadpoolctl pins it to one thread when installed."""
+    """L-BFGS-B calls BLAS on tiny matrices; threaded OpenBLAS makes that far slower on a busy machine
+    (docs/benchmarks.md). threadpoolctl pins it to one thread when installed."""
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
