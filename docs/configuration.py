@@ -24,6 +24,7 @@ import inspect
 import io
 import math
 import sys
+import textwrap
 import tokenize
 import types
 import typing
@@ -203,14 +204,15 @@ OPTIMIZER_NOTES = (
     ("soap", "`pytorch_optimizer.SOAP`, no 1-D preconditioning, bias correction", "authors' call"),
 )
 
+
 # ----------------------------------------------------------------------------- reading the source
 def field_comments(cls: type) -> dict[str, str]:
     """{field name: its comment}: the comment lines directly above the field, then the comment on its line(s)."""
-    lines, start = inspect.getsourcelines(cls)
-    source = "".join(lines)
+    lines = inspect.getsourcelines(cls)[0]
+    source = textwrap.dedent("".join(lines))
     comments = {tok.start[0]: tok.string[1:].strip() for tok in tokenize.generate_tokens(io.StringIO(source).readline)
                 if tok.type == tokenize.COMMENT}
-    node = ast.parse(source).body[0]  # a top-level class: its source parses as it stands
+    node = ast.parse(source).body[0]
     out = {}
     for item in node.body:
         if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
@@ -228,7 +230,7 @@ def field_comments(cls: type) -> dict[str, str]:
 
 def class_doc(cls: type) -> str:
     """The class's own docstring (not the signature dataclasses makes up when there is none)."""
-    node = ast.parse(inspect.getsource(cls)).body[0]
+    node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
     return inspect.cleandoc(ast.get_docstring(node) or "")
 
 
