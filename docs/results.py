@@ -44,9 +44,10 @@ MAX_RECORD_BYTES = 2 * 2**20  # the record is committed: a report that reads far
 HEADER = """\
 # Results of the default study
 
-`optquant report studies/{name} --markdown` of the `{name}` study (`optquant study --preset {name}`), pasted
-unedited by `{command}`; the README's section "The default study, measured" reads it. docs/results/
-holds the files of that study the markdown reads, and tests/test_docs.py rebuilds this page from them.
+`optquant report studies/{name} --markdown` of the `{name}` study (`optquant study --preset {name}`),
+pasted unedited by `{command}`; the README's section "The default study, measured" reads it.
+docs/results/ holds the files of that study the markdown reads, and tests/test_docs.py rebuilds this page
+from them.
 
 """
 

@@ -25,3 +25,12 @@ def test_configuration_md_is_generated():
     assert gen.render() == committed, (
         f"docs/configuration.md is not what docs/configuration.py writes from today's config classes "
         f"(a field, default, range or comment changed): regenerate it with `{gen.COMMAND}` and commit it")
+
+
+def test_results_md_matches_report():
+    gen = _script("results")
+    committed = (DOCS / "results.md").read_text(encoding="utf-8")
+    assert gen.render() == committed, (
+        "docs/results.md is not what `optquant report --markdown` writes for the study recorded in docs/results/. "
+        "If only the report's code changed: `python docs/results.py --write` re-renders it from the record; if the "
+        f"study was rerun or the report reads other files now: `{gen.COMMAND}` (e.g. studies/cpu) refreshes both")
