@@ -39,6 +39,7 @@ if str(ROOT / "src") not in sys.path:
 RECORD = ROOT / "docs" / "results"
 OUTPUT = ROOT / "docs" / "results.md"
 COMMAND = "python docs/results.py STUDY_DIR"
+WRITE = "python docs/results.py --write"
 MAX_RECORD_BYTES = 2 * 2**20  # the record is committed: a report that reads far more should be looked at first
 
 HEADER = """\
@@ -175,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         OUTPUT.write_text(text, encoding="utf-8")
     elif args.check:
         if OUTPUT.read_text(encoding="utf-8") != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is not what {RECORD.relative_to(ROOT)}/ renders to: refresh both "
-                  f"from the study with `{COMMAND}`", file=sys.stderr)
+            print(f"{OUTPUT.relative_to(ROOT)} is not what {RECORD.relative_to(ROOT)}/ renders to: `{WRITE}` "
+                  f"re-renders it (the report's code changed), `{COMMAND}` refreshes both (the study changed)",
+                  file=sys.stderr)
             return 1
         return 0
     sys.stdout.write(text)

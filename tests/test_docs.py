@@ -3,9 +3,12 @@ docs/results.md from the committed record of the default study (docs/results/)."
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import sys
 from pathlib import Path
+
+import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -19,18 +22,25 @@ def _script(name: str):
     return module
 
 
+def _same(generated: str, path: Path, how: str) -> None:
+    """Fail with `how` and the first lines of the difference (not pytest's diff of two 50 kB strings)."""
+    committed = path.read_text(encoding="utf-8")
+    if generated != committed:
+        diff = difflib.unified_diff(committed.splitlines(), generated.splitlines(), f"{path.name} (committed)",
+                                    f"{path.name} (generated)", lineterm="", n=0)
+        pytest.fail(f"{how}\n" + "\n".join(list(diff)[:20]), pytrace=False)
+
+
 def test_configuration_md_is_generated():
     gen = _script("configuration")
-    committed = (DOCS / "configuration.md").read_text(encoding="utf-8")
-    assert gen.render() == committed, (
-        f"docs/configuration.md is not what docs/configuration.py writes from today's config classes "
-        f"(a field, default, range or comment changed): regenerate it with `{gen.COMMAND}` and commit it")
+    _same(gen.render(), DOCS / "configuration.md",
+          "docs/configuration.md is not what docs/configuration.py writes from today's config classes (a field, "
+          f"default, range or comment changed): regenerate it with `{gen.COMMAND}` and commit it")
 
 
 def test_results_md_matches_report():
     gen = _script("results")
-    committed = (DOCS / "results.md").read_text(encoding="utf-8")
-    assert gen.render() == committed, (
-        "docs/results.md is not what `optquant report --markdown` writes for the study recorded in docs/results/. "
-        "If only the report's code changed: `python docs/results.py --write` re-renders it from the record; if the "
-        f"study was rerun or the report reads other files now: `{gen.COMMAND}` (e.g. studies/cpu) refreshes both")
+    _same(gen.render(), DOCS / "results.md",
+          "docs/results.md is not what `optquant report --markdown` writes for the study recorded in docs/results/. "
+          f"If only the report's code changed: `{gen.WRITE}` re-renders it from the record; if the study was rerun "
+          f"or the report reads other files now: `{gen.COMMAND}` (e.g. studies/cpu) refreshes both")
