@@ -293,8 +293,8 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def set_field(cfg: Any, keys: list[str], value: str, path: str) -> Any:
-    """A copy of dataclass `cfg` with the field at `keys` (a dotted path, split) set to `value`, parsed."""
+def field_type(cfg: Any, keys: list[str], path: str) -> Any:
+    """The type of the field at `keys` (a dotted path, split) of dataclass `cfg`."""
     if not is_dataclass(cfg):
         raise OptquantError(f"--set {path}: {'.'.join(keys[:-1]) or path} has no fields")
     key, types_ = keys[0], _field_types(type(cfg))
@@ -302,32 +302,73 @@ def set_field(cfg: Any, keys: list[str], value: str, path: str) -> Any:
         known = ", ".join(f.name for f in fields(cfg))
         raise OptquantError(f"--set {path}: unknown field {key!r} (known: {known})")
     if len(keys) == 1:
-        return replace(cfg, **{key: parse_value(value, types_[key], path)})
-    return replace(cfg, **{key: set_field(getattr(cfg, key), keys[1:], value, path)})
+        return types_[key]
+    inner = getattr(cfg, key)
+    return field_type(QATConfig() if inner is None and key == "qat" else inner, keys[1:], path)
 
 
-def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
-    """Apply `a.b=value` overrides in order (optimizer and QAT switches first)."""
+def set_field(cfg: Any, keys: list[str], value: str, path: str) -> Any:
+    """A copy of dataclass `cfg` with the field at `keys` (a dotted path, split) set to `value`, parsed."""
+    return _set(cfg, keys, parse_value(value, field_type(cfg, keys, path), path))
+
+
+def _set(cfg: Any, keys: list[str], value: Any) -> Any:
+    if len(keys) == 1:
+        return replace(cfg, **{keys[0]: value})
+    return replace(cfg, **{keys[0]: _set(getattr(cfg, keys[0]), keys[1:], value)})
+
+
+def _switched(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
+    """`cfg` with the switches of `values` applied: `optim.name` (that optimizer's defaults), `qat` (None
+    removes QAT) and a `qat.*` key (creates a QATConfig)."""
+    if "optim.name" in values:
+        cfg = replace(cfg, optim=optimizer_config(values["optim.name"]))
+    if "qat" in values:
+        if values["qat"] is not None:
+            raise OptquantError("--set qat=...: only qat=none; set qat.method=quest to enable QAT")
+        cfg = replace(cfg, qat=None)
+    if cfg.qat is None and any(k.startswith("qat.") for k in values):
+        cfg = replace(cfg, qat=QATConfig())
+    return cfg
+
+
+def override(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
+    """A copy of `cfg` with each dotted field of `values` set to its (typed) value, then validated: the
+    switches first (`optim.name`, `qat`: see `_switched`), then every other field."""
+    cfg = _switched(cfg, values)
+    for key, value in values.items():
+        if key not in ("optim.name", "qat"):
+            field_type(cfg, key.split("."), key)  # an unknown field is one error naming it
+            cfg = _set(cfg, key.split("."), tuple(value) if isinstance(value, list) else value)
+    return validate(cfg)
+
+
+def parse_overrides(cfg: RunConfig, overrides: list[str]) -> dict[str, Any]:
+    """`a.b=value` strings (--set, TOML, a study's settings) as {dotted key: value parsed by its field's type};
+    a key given twice keeps its last value."""
     pairs = []
     for item in overrides:
         if "=" not in item:
             raise OptquantError(f"--set {item}: expected key=value, e.g. optim.lr=3e-3")
         key, value = item.split("=", 1)
         pairs.append((key.strip(), value.strip()))
+    switches = {k: v for k, v in pairs if k in ("optim.name", "qat")}
+    if "qat" in switches:
+        if switches["qat"].lower() not in ("none", "off", "null"):
+            raise OptquantError("--set qat=...: only qat=none; set qat.method=quest to enable QAT")
+        switches["qat"] = None
+    shape = _switched(cfg, {**switches, **{k: None for k, _ in pairs if k.startswith("qat.")}})
+    values: dict[str, Any] = {}
     for key, value in pairs:
-        if key == "optim.name":
-            cfg = replace(cfg, optim=optimizer_config(value))
-        elif key == "qat":
-            if value.lower() not in ("none", "off", "null"):
-                raise OptquantError("--set qat=...: only qat=none; set qat.method=quest to enable QAT")
-            cfg = replace(cfg, qat=None)
-    for key, value in pairs:
-        if key in ("optim.name", "qat"):
-            continue
-        if key.startswith("qat.") and cfg.qat is None:
-            cfg = replace(cfg, qat=QATConfig())
-        cfg = set_field(cfg, key.split("."), value, key)
-    return validate(cfg)
+        values.pop(key, None)  # the last one wins, in its place
+        values[key] = switches[key] if key in switches else \
+            parse_value(value, field_type(shape, key.split("."), key), key)
+    return values
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply `a.b=value` overrides (optimizer and QAT switches first)."""
+    return override(cfg, parse_overrides(cfg, overrides))
 
 
 def _flatten_toml(table: dict, prefix: str = "") -> list[str]:

@@ -15,8 +15,9 @@ def add_parsers(sub) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from optquant.checkpoint import atomic_write_json
+    from optquant.files import atomic_write_json
     from optquant.harness import lm_eval_tasks
+    from optquant.runs import RunDir
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     model, tok, eot = _load_model(args.run_dir, args.hf, args.weights)
@@ -24,8 +25,8 @@ def _eval(args: argparse.Namespace) -> int:
     for task, r in result.items():
         print(f"{task:20s} acc={r['acc']:.4f}±{r['acc_stderr'] or 0:.4f}  "
               f"acc_norm={r['acc_norm']:.4f}±{r['acc_norm_stderr'] or 0:.4f}  (n={r['n']})")
-    out = args.out or (args.run_dir / "lm_eval.json" if args.run_dir else Path("hf-analysis") /
-                       args.hf.resolve().name / "lm_eval.json")
+    out = args.out or (RunDir(args.run_dir).lm_eval if args.run_dir else Path("hf-analysis") /
+                       args.hf.resolve().name / RunDir(args.hf).lm_eval.name)
     atomic_write_json(out, result)
     print(f"written: {out}")
     return 0

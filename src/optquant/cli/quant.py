@@ -86,7 +86,7 @@ def _hf_quant(args: argparse.Namespace, what: str) -> int:
 def _quantized(args: argparse.Namespace) -> int:
     """`optquant ptq` (damage: summary.json) or `optquant analyze` (outliers + ABC) of one run or HF model."""
     from optquant.ptq_stage import out_dir, ptq_analysis, ptq_damage
-    from optquant.runs import locked
+    from optquant.runs import PTQ_FILES, RunDir, locked
 
     what = args.command
     if args.hf is not None:
@@ -94,13 +94,14 @@ def _quantized(args: argparse.Namespace) -> int:
     if args.run_dir is None:
         raise OptquantError(f"{what}: give a run directory (from optquant train) or --hf PATH")
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
-    if not (args.run_dir / "config.json").is_file():
+    if not RunDir(args.run_dir).config.is_file():
         raise OptquantError(f"{args.run_dir}: not a run directory (no config.json; give a directory made by "
                             "optquant train)")
     out = out_dir(args.run_dir, acfg, qcfg.name)
     with locked(out, wait=False):
         result = (ptq_damage if what == "ptq" else ptq_analysis)(args.run_dir, qcfg, acfg)
     print(json.dumps(result, indent=2))
-    written = "summary.json" if what == "ptq" else "{analysis.json,outliers.parquet,propagation.parquet}"
+    names = [PTQ_FILES[k] for k in (("damage",) if what == "ptq" else ("analysis", "outliers", "propagation"))]
+    written = names[0] if len(names) == 1 else "{" + ",".join(names) + "}"
     print(f"written: {out}/{written}")
     return 0

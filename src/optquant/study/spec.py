@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from optquant.config import RunConfig, apply_overrides, parse_value, run_preset, set_field
+from optquant.config import RunConfig, override, parse_overrides, parse_value, run_preset, set_field
 from optquant.errors import OptquantError
 from optquant.harness import HarnessConfig, check_harness
 from optquant.optim import OPTIMIZERS, is_optimizer, optimizer_config
@@ -63,12 +63,14 @@ class StudySpec:
 
 
 def run_config(spec: StudySpec, size: str, opt: str, lr: float | None = None, seed: int = 0,
-               extra: tuple = ()) -> RunConfig:
-    """One run of the study as the planner builds it (`lr` None: the optimizer's default)."""
-    lr_set = () if lr is None else (f"optim.lr={lr}",)
-    cfg = apply_overrides(run_preset(size), [*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()),
-                                             *lr_set, f"seed={seed}", *extra])
-    return replace(cfg, name=f"{spec.name}-{size}")
+               settings: dict[str, Any] | None = None, extra: tuple[str, ...] = ()) -> RunConfig:
+    """One run of the study as the planner builds it (`lr` None: the optimizer's default). `settings`: the
+    planner's own (typed) fields, e.g. a tied group's ratio or a Common-Loss threshold; `extra`: settings as
+    the user wrote them (`field=value`: a swept value, a robust entry), parsed by type like `spec.run`."""
+    base = run_preset(size)
+    values = parse_overrides(base, [*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()), *extra])
+    values |= {**({} if lr is None else {"optim.lr": lr}), "seed": seed, **(settings or {})}
+    return replace(override(base, values), name=f"{spec.name}-{size}")
 
 
 def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
