@@ -6,6 +6,7 @@ from optquant.config import (
     apply_overrides,
     config_hash,
     from_dict,
+    override,
     resolve,
     run_preset,
     to_dict,
@@ -20,6 +21,23 @@ def test_typed_overrides():
     assert cfg.optim.lr == 3e-3 and cfg.model.n_layer == 3 and cfg.train.precision == "fp32"
     assert cfg.train.cl_threshold == 4.5 and cfg.data.source == "/x"
     assert apply_overrides(cfg, ["train.cl_threshold=none"]).train.cl_threshold is None
+
+
+def test_typed_values_give_the_config_their_strings_give():
+    """`override` takes typed values (the study's own settings); the strings of --set and TOML are parsed into
+    the same values, so both build the same run (the same run id)."""
+    strings = ["optim.name=muon", "optim.lr=0.02", "optim.adam_lr_ratio=0.1", "seed=3", "train.keep_history=true",
+               "train.cl_threshold=4.25", "qat.method=quest", "qat.w_bits=4"]
+    values = {"optim.name": "muon", "optim.lr": 0.02, "optim.adam_lr_ratio": 0.1, "seed": 3,
+              "train.keep_history": True, "train.cl_threshold": 4.25, "qat.method": "quest", "qat.w_bits": 4}
+    typed, parsed = override(run_preset("nano"), values), apply_overrides(run_preset("nano"), strings)
+    assert typed == parsed and config_hash(typed) == config_hash(parsed)
+    with pytest.raises(OptquantError, match="unknown field 'lrr'"):
+        override(run_preset("nano"), {"optim.lrr": 1.0})
+    with pytest.raises(OptquantError, match=r"optim.lr=-1.0: must be in"):  # typed values are range-checked too
+        override(run_preset("nano"), {"optim.lr": -1.0})
+    with pytest.raises(OptquantError, match="optim.lr"):  # ... and type-checked
+        override(run_preset("nano"), {"optim.lr": "fast"})
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

@@ -135,7 +135,7 @@ def test_lm_eval_local_task_equals_builtin_scorer(trained_run, corpus, tmp_path,
     assert r["acc,none"] == got["acc"] and r["acc_norm,none"] == got["acc_norm"]
 
 
-def test_ptq_eval_scores_fp_and_quantized_with_lm_eval(trained_run, local_task):
+def test_ptq_damage_scores_fp_and_quantized_with_lm_eval(trained_run, local_task):
     """The study's PTQ job with eval tasks: lm-eval's acc/acc_norm of the FP model and of its W4A4 copy, each
     equal to the built-in scorer on that model; the built-in task is not run; the result covers its request."""
     tasks, items = local_task

@@ -71,11 +71,21 @@ PTQ_FILES = {"damage": "summary.json", "analysis": "analysis.json", "outliers": 
 LOCK = ".lock"
 
 
+def _file(name: str) -> property:
+    return property(lambda self: self.path / name)
+
+
 @dataclass(frozen=True)
 class RunDir:
     """Every path inside one run directory (the layout above); no other module spells one."""
 
     path: Path
+    config = _file("config.json")
+    metrics = _file("metrics.jsonl")
+    summary = _file("summary.json")
+    checkpoint = _file("checkpoint.safetensors")
+    history = _file("history")
+    lm_eval = _file("lm_eval.json")  # `optquant eval`'s lm-eval scores of the run (its default output)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
@@ -83,26 +93,6 @@ class RunDir:
     @property
     def name(self) -> str:
         return self.path.name
-
-    @property
-    def config(self) -> Path:
-        return self.path / "config.json"
-
-    @property
-    def metrics(self) -> Path:
-        return self.path / "metrics.jsonl"
-
-    @property
-    def summary(self) -> Path:
-        return self.path / "summary.json"
-
-    @property
-    def checkpoint(self) -> Path:
-        return self.path / "checkpoint.safetensors"
-
-    @property
-    def history(self) -> Path:
-        return self.path / "history"
 
     def history_checkpoint(self, step: int) -> Path:
         """The checkpoint a run with train.keep_history wrote at evaluation `step`."""
@@ -118,11 +108,6 @@ class RunDir:
     def ptq_file(self, weights: Weights, scheme: str, what: str) -> Path:
         """One PTQ result: `what` is "damage", "analysis", "outliers" or "propagation" (PTQ_FILES)."""
         return self.ptq(weights, scheme) / PTQ_FILES[what]
-
-    @property
-    def lm_eval(self) -> Path:
-        """`optquant eval`'s scores of the run (its default output)."""
-        return self.path / "lm_eval.json"
 
     def outliers(self, weights: Weights = "final") -> Path:
         """The FP model's outliers alone (an outlier job's result)."""

@@ -7,7 +7,10 @@ methods every job has:
     done()      the result, read from the job's files, if they exist and cover what it asks; else None
     cost()      a FLOPs-like estimate, for scheduling the longest first (0 = unknown: last)
     run()       (result, seconds by part) after doing the work in this process ({} = the job is one part)
-    describe()  what costs.jsonl records: kind, stage (fp, cl, qat, ptq, outliers), optimizer, size, part
+    describe()  what costs.jsonl records: kind, stage, optimizer, size, part
+
+and two attributes: `key` (unique within a study) and `stage` (fp, cl, qat, ptq or outliers: the class of
+job the ETA prices, study/progress.py).
 
 A run directory is locked (runs.locked: fcntl, released when the process dies) while a job works in it,
 as `optquant train/ptq/analyze` lock it, so no two processes ever write the same run at once.
@@ -43,6 +46,9 @@ Result = dict[str, Any]
 class Job(Protocol):
     @property
     def key(self) -> str: ...  # unique within a study: the run id, or run id/weights/scheme
+
+    @property
+    def stage(self) -> str: ...  # fp, cl, qat, ptq or outliers
 
     def done(self) -> Result | None: ...
 
@@ -129,6 +135,8 @@ class PTQJob:
     def key(self) -> str:
         return f"{Path(self.dir).name}/{self.analysis.weights}/{self.ptq.name}"
 
+    stage = "ptq"
+
     def _read(self) -> tuple[Result | None, Result | None]:
         a, name = self.analysis, self.ptq.name
         return read_result(self.dir, a, name, "damage"), read_result(self.dir, a, name, "analysis")
@@ -160,7 +168,7 @@ class PTQJob:
         return {**damage, **metrics}, parts
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "ptq", "stage": "ptq", **_run_facts(_config_of(Path(self.dir), self.key)), "part": "ptq"}
+        return {"kind": "ptq", "stage": self.stage, **_run_facts(_config_of(Path(self.dir), self.key)), "part": "ptq"}
 
 
 @dataclass(frozen=True)
@@ -172,6 +180,8 @@ class OutliersJob:
     @property
     def key(self) -> str:
         return f"{Path(self.dir).name}/outliers"
+
+    stage = "outliers"
 
     def done(self) -> Result | None:
         from optquant.files import read_json
@@ -188,5 +198,5 @@ class OutliersJob:
             return fp_outliers(Path(self.dir)), {}
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "outliers", "stage": "outliers", **_run_facts(_config_of(Path(self.dir), self.key)),
+        return {"kind": "outliers", "stage": self.stage, **_run_facts(_config_of(Path(self.dir), self.key)),
                 "part": "analysis"}

@@ -58,7 +58,8 @@ class Study:
     def run(self, stage: str, jobs: list[Job]) -> dict[str, Result]:
         self.emit(event="stage", stage=stage, jobs=len(jobs))
         return execute(jobs, self.spec.executor, self.spec.workers, self.root / "submitit",
-                       lambda job, result: self.emit(event="job", stage=stage, key=job.key, result=result),
+                       lambda job, result: self.emit(event="job", stage=stage, key=job.key, job_stage=job.stage,
+                                                     result=result),
                        pool=self.pool)
 
     def train(self, stage: str, cfgs: dict[Hashable, RunConfig]) -> dict[Hashable, Result]:

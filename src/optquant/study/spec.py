@@ -187,19 +187,3 @@ def _known_optimizer(name: str, where: str) -> str:
     if not is_optimizer(name):
         raise OptquantError(f"{where}: unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
     return name
-
-
-def estimate_jobs(spec: StudySpec) -> int:
-    """Jobs the study will run (for the progress display): the initial grid plus one extension and one
-    refinement per (optimizer, size), the tied groups' ratio grids and the LR grid again, its PTQ, and the
-    per-seed best-LR, CL, PTQ and QAT jobs."""
-    groups = {o: len(getattr(type(optimizer_config(o)), "GROUP_LRS", {})) if spec.tune_groups else 0
-              for o in spec.optimizers}  # each tied group: a 3-point ratio grid, then the LR grid once more
-    grid = sum(len(lr_grid(spec, o)) + 1 + spec.lr_refine + groups[o] * 3 + bool(groups[o]) * spec.lr_points
-               for o in spec.optimizers) * len(spec.sizes)
-    sweeps = sum(len(v) for opt in spec.sweeps.values() for v in opt.values())
-    per_seed = len(spec.optimizers) * len(spec.sizes) * len(spec.seeds)
-    extra_seeds = len(spec.optimizers) * len(spec.sizes) * (len(spec.seeds) - 1)
-    robust = per_seed * len(spec.robust) * (2 + len(spec.ptq_schemes))  # run, CL PTQ, final PTQ
-    return (sweeps + (grid + extra_seeds) * (1 + len(spec.sweep_ptq_schemes))
-            + per_seed * (1 + len(spec.ptq_schemes) + len(spec.qat_bits)) + robust)
