@@ -149,6 +149,7 @@ def test_export_llama_run_matches_our_logits_and_tokenizer(llama_run, tmp_path, 
     data = load_tokens(cfg.data, cfg.model.vocab_size)
     text = (corpus / "doc000.txt").read_text()[:300]
     assert tok(text, add_special_tokens=False)["input_ids"] == data.tokenizer.encode(text).ids
+    assert tok(text)["input_ids"] == [data.eot_id, *data.tokenizer.encode(text).ids]  # by default after EOT
     assert tok.eos_token_id == data.eot_id and tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
 
 

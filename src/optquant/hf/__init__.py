@@ -82,7 +82,8 @@ def load_hf(path: Path, seq_len: int = 128):
 
 
 def load_hf_tokenizer(path: Path):
-    """(the fast tokenizers.Tokenizer backend, the EOS id) of the tokenizer in a local HF folder."""
+    """(the fast tokenizers.Tokenizer backend, the EOS id, the BOS id or else EOS: lm-eval's prefix token) of the
+    tokenizer in a local HF folder."""
     transformers = require_transformers()
     try:
         tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -90,4 +91,5 @@ def load_hf_tokenizer(path: Path):
         raise OptquantError(f"{path}: no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
     if getattr(tok, "backend_tokenizer", None) is None or tok.eos_token_id is None:
         raise OptquantError(f"{path}: the tokenizer needs a fast (tokenizer.json) backend and an EOS token")
-    return tok.backend_tokenizer, tok.eos_token_id
+    bos = tok.eos_token_id if tok.bos_token_id is None else tok.bos_token_id
+    return tok.backend_tokenizer, tok.eos_token_id, bos

@@ -38,7 +38,7 @@ class HFSource:
 def hf_tokens(src: HFSource, train_tokens: int) -> TokenData:
     """Held-out documents fully, and the first training documents up to `train_tokens` tokens, encoded with
     the folder's tokenizer (AutoTokenizer's fast backend), EOS after each document."""
-    backend, eos = load_hf_tokenizer(src.path)
+    backend, eos, _ = load_hf_tokenizer(src.path)
     train_docs, val_docs = split_documents(read_documents(src.data), src.data)
 
     def encode(docs, limit: int | None) -> np.ndarray:
