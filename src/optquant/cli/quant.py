@@ -29,8 +29,9 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--w-bits", type=int, default=4, help="weight bits (16 = not quantized)")
     p.add_argument("--a-bits", type=int, default=4, help="activation bits (16 = weight-only)")
     p.add_argument("--format", choices=["int", "mxfp4", "nvfp4"], default="int")
-    p.add_argument("--grid", choices=["sym", "sym8", "odd", "asym"], default="sym",
-                   help="integer grid: sym [-7,7] (default), sym8 [-8,7], odd (16 levels, no zero), asym")
+    p.add_argument("--grid", choices=["sym", "sym8", "full", "odd", "asym"], default="sym",
+                   help="integer grid: sym [-7,7], scale absmax/7 (default, the paper's); sym8 [-8,7] (llama.cpp "
+                   "Q4_0); full [-8,7], scale absmax/7.5 (llm-compressor, torchao); odd (16 levels, no zero); asym")
     p.add_argument("--group-size", type=int, default=0, help="weight group size (0 = per output channel)")
     p.add_argument("--rotation", choices=["none", "hadamard"], default="none")
     p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian")
