@@ -10,7 +10,8 @@ The mapping (optquant.model's llama arch → HF Llama):
   [0, 2, 4, …, 1, 3, 5, …] turns one into the other; q·k is unchanged by a common permutation;
 - tied or untied head: tie_word_embeddings.
 The tokenizer goes along as tokenizer.json (+ tokenizer_config.json) that AutoTokenizer loads, with
-<|endoftext|> as EOS and BOS (our runs separate documents with it).
+<|endoftext|> as EOS and BOS, prepended by default (add_special_tokens=True): our runs separate documents with
+it, so a text follows it, and `lm_eval --model hf` on the folder conditions on it as `optquant eval` does.
 
 The paper's OLMo2 variant is refused: HF's Olmo2 has a SwiGLU MLP and RMS QK-norm over all heads with
 a per-channel gain, ours a ReLU² MLP and per-head L2 QK-norm with a per-head scale; no HF architecture
@@ -135,7 +136,7 @@ def export_hf(run_dir: Path, out: Path, weights: Weights = "final", force: bool 
     try:
         hf.save_pretrained(tmp)
         tok = transformers.PreTrainedTokenizerFast(tokenizer_object=data.tokenizer, eos_token=EOT, bos_token=EOT,
-                                                   model_max_length=cfg.model.seq_len)
+                                                   add_bos_token=True, model_max_length=cfg.model.seq_len)
         tok.save_pretrained(tmp)
         if out.exists():
             os.rename(out, old)  # checked above: empty, or an earlier export with --force
