@@ -13,7 +13,6 @@ from optquant.cost import (
     meta_model,
     optimizer_state_bytes,
     run_cost,
-    shampoo_blocks,
     split_gpu_overrides,
 )
 from optquant.errors import OptquantError
@@ -64,7 +63,7 @@ def test_psgd_memory_save_modes(mode):
 
 
 def test_shampoo_blocks_are_block_views():
-    from optquant.optim.shampoo import block_views
+    from optquant.optim.shampoo import block_views, shampoo_blocks
 
     for shape, cap in [((300, 32), 100), ((1, 4, 1, 1), 3), ((7,), 7), ((1,), 5), ((250, 250), 128)]:
         assert shampoo_blocks(shape, cap) == [tuple(b.shape) for b in block_views(torch.empty(shape), cap)]

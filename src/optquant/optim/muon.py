@@ -97,6 +97,12 @@ class MuonConfig:
     # group step sizes a study can tie to lr and search: label -> (fixed field, ratio field)
     GROUP_LRS: ClassVar[dict[str, tuple[str, str]]] = {"adamw": ("adam_lr", "adam_lr_ratio")}
 
+    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
+        """torch.optim.Muon's one momentum buffer per matrix; the rest is the AdamW optimizer's state."""
+        if group == "matrices":
+            return math.prod(shape) * element_size
+        return AdamWConfig().state_bytes(shape, element_size, group)
+
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         optimizers: list[torch.optim.Optimizer] = []
         if groups.matrices:

@@ -23,6 +23,7 @@ small model's step). A path depends only on the equation, the operand shapes and
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -136,6 +137,23 @@ class PSGDConfig:
     balance_prob: float = 0.01
     momentum_into_precondition_update: bool = True
     seed: int = 0  # of the optimizer's private RNG stream
+
+    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
+        """pytorch_optimizer.Kron (`initialize_q_expressions`): a momentum buffer, and per dim a dense n×n
+        factor (the triangular Q, stored full) or, for a size-1 dim, a dim above `max_size_triangular`, a
+        tensor with fewer than `min_ndim_triangular` dims or a diagonal `memory_save_mode` dim, a diagonal n.
+        Factors are fp32 (`precondition_dtype`); a 0-d parameter has one scalar factor."""
+        total = math.prod(shape) * element_size
+        if not shape:
+            return total + 4
+        mode, s = self.memory_save_mode, sorted(shape)
+        diag = [mode == "all_diag"] * len(shape)
+        if mode == "one_diag" or (mode == "smart_one_diag" and len(shape) >= 2 and s[-1] > s[-2]):
+            diag[int(np.argsort(shape)[::-1][0])] = True  # the largest dim as the library picks it (unstable sort)
+        for n, d in zip(shape, diag, strict=True):
+            tri = not (n == 1 or n > self.max_size_triangular or len(shape) < self.min_ndim_triangular or d)
+            total += (n * n if tri else n) * 4
+        return total
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         params = [

@@ -117,6 +117,10 @@ class ScionConfig:
     GROUP_LRS: ClassVar[dict[str, tuple[str, str]]] = {"embedding": ("embed_lr", "embed_lr_ratio"),
                                                         "vectors": ("vector_lr", "vector_lr_ratio")}
 
+    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
+        """pytorch_optimizer.SCION's one momentum buffer `d` per parameter, like the parameter."""
+        return math.prod(shape) * element_size
+
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         embed_lr = self.embed_lr_ratio * self.lr if self.embed_lr_ratio > 0 else self.embed_lr
         vector_lr = self.vector_lr_ratio * self.lr if self.vector_lr_ratio > 0 else self.vector_lr

@@ -37,6 +37,7 @@ widths it would flatten e.g. a 64×64 matrix into a 4096-vector with a 4096² fa
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -58,6 +59,16 @@ def block_views(t: Tensor, max_dim: int) -> list[Tensor]:
     blocks = [t.reshape(shape)]
     for dim in range(len(shape)):
         blocks = [piece for b in blocks for piece in torch.split(b, max_dim, dim=dim)]
+    return blocks
+
+
+def shampoo_blocks(shape: tuple[int, ...], max_dim: int) -> list[tuple[int, ...]]:
+    """The block shapes of `block_views`, from the shape alone (for the planner's state bytes)."""
+    squeezed = [d for d in shape if d != 1] or [1]
+    blocks = [tuple(squeezed)]
+    for dim in range(len(squeezed)):
+        blocks = [(*b[:dim], m, *b[dim + 1:]) for b in blocks
+                  for m in [max_dim] * (b[dim] // max_dim) + ([b[dim] % max_dim] if b[dim] % max_dim else [])]
     return blocks
 
 
@@ -271,6 +282,17 @@ class ShampooConfig:
     max_preconditioner_dim: int = 12288  # 8192 in the authors' June-2025 code
     grafting: Literal["adam", "none"] = "adam"
     precondition_1d: bool = True  # False: vectors take the grafting (Adam) step only
+
+    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
+        """`Shampoo._init_state`: per block and dim an n×n factor and an n×n root (none for a squeezed 1-D
+        parameter unless `precondition_1d`), plus the filtered gradient (β1 > 0), Adam's grafting V
+        (grafting="adam") and heavy-ball momentum (momentum > 0), each like the parameter."""
+        total = 0
+        if self.precondition_1d or sum(d != 1 for d in shape) > 1:
+            blocks = shampoo_blocks(shape, self.max_preconditioner_dim)
+            total += sum(2 * n * n * element_size for blk in blocks for n in blk)
+        copies = (self.beta1 > 0) + (self.grafting == "adam") + (self.momentum > 0)
+        return total + copies * math.prod(shape) * element_size
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         params = [{"params": g} for g in (groups.embeddings + groups.vectors, groups.matrices) if g]
