@@ -75,3 +75,22 @@ def test_preset_is_a_label_not_part_of_the_run_id():
     old = to_dict(cfg)
     del old["preset"]  # a config.json written before the field existed
     assert from_dict(old).preset == "" and config_hash(from_dict(old)) == config_hash(cfg)
+
+
+@pytest.mark.parametrize("name, override, message", [
+    ("muon", "optim.momentum=1", "optim.momentum=1.0: must be in [0, 1)"),
+    ("scion", "optim.momentum=0", "optim.momentum=0.0: must be in (0, 1]"),  # Scion's α = 1 − β
+    ("scion", "optim.momentum=1", None),
+    ("psgd", "optim.update_prob=0", "optim.update_prob=0.0: must be in (0, 1]"),
+    ("psgd", "optim.seed=-1", "optim.seed=-1: must be in [0, 2.14748e+09]"),
+    ("shampoo", "optim.start_preconditioning_step=-2", "optim.start_preconditioning_step=-2: must be in [-1, inf)"),
+    ("soap", "optim.max_precondition_dim=0", "optim.max_precondition_dim=0: must be in [1, inf)"),
+    ("adamw", "optim.lr=0", "optim.lr=0.0: must be in (0, inf)"),
+])
+def test_each_optimizer_checks_its_own_ranges(name, override, message):
+    if message is None:
+        apply_overrides(run_preset("nano"), [f"optim.name={name}", override])
+        return
+    with pytest.raises(OptquantError) as err:
+        apply_overrides(run_preset("nano"), [f"optim.name={name}", override])
+    assert str(err.value) == message

@@ -29,6 +29,7 @@ from optquant.files import read_text
 from optquant.model import MODEL_PRESETS, ModelConfig, model_config
 from optquant.optim import OPTIMIZERS, AdamWConfig, optimizer_config, optimizer_config_class
 from optquant.optim.plugin import PluginConfig, safe_name
+from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, UNIT, Range
 from optquant.quant.qat_config import QATConfig
 from optquant.quant.robust_config import RobustConfig
 from optquant.tracking import LogConfig
@@ -160,27 +161,20 @@ def parse_value(value: str, tp: Any, path: str) -> Any:
 
 # --- validation: every field's type and range, checked whenever a config is built ----------------
 
-# (low, high, low inclusive, high inclusive) by field name; a `<section>.<field>` or `<optimizer>.<field>`
-# entry wins over the bare name. Fields not listed only have their type checked.
-_POS = (0.0, math.inf, False, False)
-_NONNEG = (0.0, math.inf, True, False)
-_ONE_UP = (1, math.inf, True, False)
-_UNIT = (0.0, 1.0, True, False)
-_RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    **dict.fromkeys(("lr", "adam_lr", "embed_lr", "vector_lr", "precondition_lr", "eps", "adam_eps", "scale",
-                     "rope_base", "init_std", "cl_threshold"), _POS),
-    **dict.fromkeys(("weight_decay", "adam_lr_ratio", "embed_lr_ratio", "vector_lr_ratio", "tokens_per_param",
-                     "steps", "diverge_factor", "split_seed", "cl_eval_every", "cl_eval_from"), _NONNEG),
-    **dict.fromkeys(("batch_size", "grad_accum", "eval_every", "eval_batches", "ns_steps", "precondition_frequency",
-                     "n_layer", "d_model", "n_head", "n_kv_head", "mlp_ratio", "max_size_triangular",
-                     "min_ndim_triangular", "max_preconditioner_dim", "max_precondition_dim"), _ONE_UP),
-    **dict.fromkeys(("momentum", "shampoo_beta", "warmup_frac", "decay_frac"), _UNIT),
-    **dict.fromkeys(("update_prob", "balance_prob", "scion.momentum"), (0.0, 1.0, False, True)),
+# (low, high, low inclusive, high inclusive) by field name (optim/ranges.py); a config's own RANGES (every
+# optimizer's) win, then a `<section>.<field>` entry, then the bare name. `lr` is every optimizer's peak
+# learning rate. Fields not listed only have their type checked.
+_RANGES: dict[str, Range] = {
+    **dict.fromkeys(("lr", "rope_base", "init_std", "cl_threshold"), POSITIVE),
+    **dict.fromkeys(("tokens_per_param", "steps", "diverge_factor", "split_seed", "cl_eval_every", "cl_eval_from"),
+                    NONNEG),
+    **dict.fromkeys(("batch_size", "grad_accum", "eval_every", "eval_batches", "n_layer", "d_model", "n_head",
+                     "n_kv_head", "mlp_ratio"), ONE_UP),
+    **dict.fromkeys(("warmup_frac", "decay_frac"), UNIT),
     "seed": (0, 2**31 - 1, True, True),  # numpy seeds must fit 32 bits; offsets are added to it
     "seq_len": (2, math.inf, True, False),
     "vocab_size": (257, 2**31 - 1, True, True),
-    "start_preconditioning_step": (-1, math.inf, True, False),
-    "robust.every": _ONE_UP,
+    "robust.every": ONE_UP,
 }
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 MAX_NAME = 128  # a run directory's name adds the optimizer and a hash; file names stop at 255 bytes
@@ -228,8 +222,8 @@ def _check_type(value: Any, tp: Any, path: str) -> None:
         raise OptquantError(f"{path}={value!r}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__}")
 
 
-def _check_range(value: Any, keys: tuple[str, ...], path: str) -> None:
-    rule = next((_RANGES[k] for k in keys if k in _RANGES), None)
+def _check_range(value: Any, own: dict[str, Range], keys: tuple[str, ...], path: str) -> None:
+    rule = own.get(keys[-1]) or next((_RANGES[k] for k in keys if k in _RANGES), None)
     if rule is None or value is None or isinstance(value, bool) or not isinstance(value, int | float):
         return
     lo, hi, lo_in, hi_in = rule
@@ -238,7 +232,8 @@ def _check_range(value: Any, keys: tuple[str, ...], path: str) -> None:
         raise OptquantError(f"{path}={value}: must be in {interval}")
 
 
-def _check_fields(obj: Any, section: str, owner: str) -> None:
+def _check_fields(obj: Any, section: str) -> None:
+    own = getattr(type(obj), "RANGES", {})  # an optimizer config's ranges for its own fields
     for f in fields(obj):
         value, tp = getattr(obj, f.name), _field_types(type(obj))[f.name]
         path = f"{section}.{f.name}" if section else f.name
@@ -248,9 +243,9 @@ def _check_fields(obj: Any, section: str, owner: str) -> None:
         else:
             _check_type(value, tp, path)
         if is_dataclass(value):
-            _check_fields(value, path, getattr(value, "name", f.name) if f.name == "optim" else f.name)
+            _check_fields(value, path)
         else:
-            _check_range(value, (f"{owner}.{f.name}", f"{section}.{f.name}", f.name), path)
+            _check_range(value, own, (f"{section}.{f.name}", f.name), path)
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -261,7 +256,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if isinstance(cfg.optim, PluginConfig) and math.isnan(cfg.optim.lr):
         raise OptquantError(f"optimizer plugin {cfg.optim.name!r} declares no default_lr: set optim.lr=... "
                             f"(in a study: lrs.{cfg.optim.name}=...)")
-    _check_fields(cfg, "", "")
+    _check_fields(cfg, "")
     if not _NAME.fullmatch(cfg.name) or len(cfg.name) > MAX_NAME:
         raise OptquantError(f"name={cfg.name[:40]!r}{'…' if len(cfg.name) > 40 else ''}: use at most {MAX_NAME} "
                             "letters, digits and . _ + - (it names the run directory)")

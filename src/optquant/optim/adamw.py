@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
 from optquant.optim.groups import ParamGroups
+from optquant.optim.ranges import NONNEG, POSITIVE, Range
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class AdamWConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.0
+
+    RANGES: ClassVar[dict[str, Range]] = {"eps": POSITIVE, "weight_decay": NONNEG}
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """torch AdamW(fused=True): exp_avg, exp_avg_sq and a 0-d fp32 `step` tensor per parameter."""

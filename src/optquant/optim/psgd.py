@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ import torch.backends.opt_einsum as torch_opt_einsum
 from pytorch_optimizer import Kron as _LibKron
 
 from optquant.optim.groups import ParamGroups, closure_loss
+from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, PROBABILITY, UNIT, Range
 
 _DTYPE_KEYS = ("mu_dtype", "precondition_dtype")
 
@@ -137,6 +138,12 @@ class PSGDConfig:
     balance_prob: float = 0.01
     momentum_into_precondition_update: bool = True
     seed: int = 0  # of the optimizer's private RNG stream
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "momentum": UNIT, "weight_decay": NONNEG, "max_size_triangular": ONE_UP, "min_ndim_triangular": ONE_UP,
+        "update_prob": PROBABILITY, "precondition_lr": POSITIVE, "balance_prob": PROBABILITY,
+        "seed": (0, 2**31 - 1, True, True),  # numpy seeds must fit 32 bits
+    }
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """pytorch_optimizer.Kron (`initialize_q_expressions`): a momentum buffer, and per dim a dense n×n

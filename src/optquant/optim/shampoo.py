@@ -40,13 +40,14 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
 from optquant.errors import OptquantError
 from optquant.optim.groups import ParamGroups, closure_loss, dense_params
+from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, UNIT, Range
 
 log = logging.getLogger(__name__)
 MAX_FAILED_ROOTS = 3  # DistributedShampoo's num_tolerated_failed_amortized_computations
@@ -282,6 +283,11 @@ class ShampooConfig:
     max_preconditioner_dim: int = 12288  # 8192 in the authors' June-2025 code
     grafting: Literal["adam", "none"] = "adam"
     precondition_1d: bool = True  # False: vectors take the grafting (Adam) step only
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "eps": POSITIVE, "weight_decay": NONNEG, "momentum": UNIT, "precondition_frequency": ONE_UP,
+        "start_preconditioning_step": (-1, math.inf, True, False), "max_preconditioner_dim": ONE_UP,
+    }
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """`Shampoo._init_state`: per block and dim an n×n factor and an n×n root (none for a squeezed 1-D

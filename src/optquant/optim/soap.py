@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pytorch_optimizer import SOAP
 from pytorch_optimizer.optimizer.utils.shape import merge_small_dims
 
 from optquant.optim.groups import ParamGroups
+from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, UNIT, Range
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class SOAPConfig:
     precondition_1d: bool = False
     correct_bias: bool = True
     merge_dims: bool = False
+
+    RANGES: ClassVar[dict[str, Range]] = {"eps": POSITIVE, "weight_decay": NONNEG, "precondition_frequency": ONE_UP,
+                                          "max_precondition_dim": ONE_UP, "shampoo_beta": UNIT}
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """pytorch_optimizer.SOAP (`init_pre_conditioner`, `get_orthogonal_matrix`): exp_avg and exp_avg_sq,
