@@ -98,8 +98,11 @@ def run_preset(name: str) -> RunConfig:
 def config_hash(cfg: Any) -> str:
     """The run id's hash. Left out: `log` (where a run is logged), `preset` (a label) and `train.compile`
     (how it executes) are not which run it is, and run ids from before those settings existed stay valid;
-    so does `robust` with method "none" (the plain run, as before the section existed)."""
+    so does `robust` with method "none" (the plain run, as before the section existed). A renamed optimizer
+    field is hashed under its old name (the config's LEGACY_NAMES), so the rename kept every run id."""
     data = to_dict(cfg)
+    for new, old in getattr(getattr(cfg, "optim", None), "LEGACY_NAMES", {}).items():
+        data["optim"][old] = data["optim"].pop(new)
     if isinstance(cfg, RunConfig):
         data.pop("log", None)
         data.pop("preset", None)
@@ -292,7 +295,7 @@ def set_field(cfg: Any, keys: list[str], value: str, path: str) -> Any:
     """A copy of dataclass `cfg` with the field at `keys` (a dotted path, split) set to `value`, parsed."""
     if not is_dataclass(cfg):
         raise OptquantError(f"--set {path}: {'.'.join(keys[:-1]) or path} has no fields")
-    key, types_ = keys[0], _field_types(type(cfg))
+    key, types_ = _current_name(type(cfg), keys[0]), _field_types(type(cfg))
     if key not in types_:
         known = ", ".join(f.name for f in fields(cfg))
         raise OptquantError(f"--set {path}: unknown field {key!r} (known: {known})")
@@ -355,10 +358,18 @@ def resolve(preset: str | None, toml_path: Path | None, overrides: list[str]) ->
     return apply_overrides(cfg, toml_overrides + list(overrides))
 
 
+def _current_name(cls: type, key: str) -> str:
+    """A field's name now, for `key` that may be its old name (an optimizer config's LEGACY_NAMES)."""
+    return next((new for new, old in getattr(cls, "LEGACY_NAMES", {}).items() if old == key), key)
+
+
 def _build(cls: type, data: dict, path: str) -> Any:
     types_ = _field_types(cls)
     kwargs = {}
-    for key, value in data.items():
+    for given, value in data.items():
+        key = _current_name(cls, given)  # an old config.json spells a renamed field by its old name
+        if key != given and key in data:
+            raise OptquantError(f"{path}: both {key!r} and its old name {given!r}")
         if key not in types_:
             raise OptquantError(f"{path}: unknown field {key!r} for {cls.__name__}")
         tp = types_[key]

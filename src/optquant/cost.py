@@ -193,20 +193,17 @@ def _fix(cfg, plan: GPUConfig, model: nn.Module, b: RunCost) -> str:
         for accum in range(tc.grad_accum + 1, per_gpu + 1):
             if per_gpu % accum == 0 and fixed + activation_bytes(cfg, per_gpu // accum, bf16) <= acc.memory:
                 return f"train.grad_accum={accum} (micro-batch {per_gpu // accum})"
-    caps = {"psgd": "max_size_triangular", "soap": "max_precondition_dim", "shampoo": "max_preconditioner_dim"}
-    key = caps.get(cfg.optim.name)
-    if key is not None:
+    if hasattr(cfg.optim, "max_precondition_dim"):  # an optimizer with a preconditioner size cap
         act1 = activation_bytes(cfg, 1, bf16)
-        cap = getattr(cfg.optim, key)
+        cap = cfg.optim.max_precondition_dim
         while cap > 128:
             cap //= 2
-            trial = replace(cfg, optim=replace(cfg.optim, **{key: cap}))
-            need = 2 * b.weights + optimizer_state_bytes(model, trial.optim)
+            need = 2 * b.weights + optimizer_state_bytes(model, replace(cfg.optim, max_precondition_dim=cap))
             if need + act1 <= acc.memory:
                 accum = next(a for a in range(tc.grad_accum, per_gpu + 1) if per_gpu % a == 0 and need
                              + activation_bytes(cfg, per_gpu // a, bf16) <= acc.memory)
                 extra = f" and train.grad_accum={accum}" if accum != tc.grad_accum else ""
-                return f"optim.{key}={cap}{extra}"
+                return f"optim.max_precondition_dim={cap}{extra}"
     return f"nothing on one {acc.name}: weights, gradients and optimizer state alone need {gb(fixed)}"
 
 

@@ -85,9 +85,9 @@ def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
 def _caps(cap: int) -> dict[str, tuple[str, ...]]:
     """Preconditioner size caps scaled to the model, keeping the paper's regime: the vocabulary
     dimension is above the cap (diagonal/unpreconditioned/blocked) and every hidden dimension below it
-    (the paper: 12288 with vocab 32000 and hidden widths up to 8192)."""
-    return {"psgd": (f"optim.max_size_triangular={cap}",), "soap": (f"optim.max_precondition_dim={cap}",),
-            "shampoo": (f"optim.max_preconditioner_dim={cap}",)}
+    (the paper: 12288 with vocab 32000 and hidden widths up to 8192), for every optimizer that has a cap."""
+    return {o: (f"optim.max_precondition_dim={cap}",) for o, c in OPTIMIZERS.items()
+            if hasattr(c, "max_precondition_dim")}
 
 
 def smoke() -> StudySpec:
