@@ -111,8 +111,9 @@ _FP32_NS = ("optim.ns_dtype=fp32",)
 
 
 def _cpu_per_optimizer() -> dict[str, tuple[str, ...]]:
-    caps = _caps(512)
-    return {**caps, "muon": _FP32_NS, "scion": _FP32_NS}
+    """The caps at 512, and Newton–Schulz in fp32 for every optimizer that has one."""
+    caps, ns = _caps(512), {o: _FP32_NS for o, c in OPTIMIZERS.items() if hasattr(c, "ns_dtype")}
+    return {o: caps.get(o, ()) + ns.get(o, ()) for o in {**caps, **ns}}
 
 
 def cpu() -> StudySpec:
