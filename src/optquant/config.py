@@ -29,6 +29,7 @@ from optquant.files import read_text
 from optquant.model import MODEL_PRESETS, ModelConfig, model_config
 from optquant.optim import OPTIMIZERS, AdamWConfig, optimizer_config, optimizer_config_class
 from optquant.optim.plugin import PluginConfig, safe_name
+from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, UNIT, Range
 from optquant.quant.qat_config import QATConfig
 from optquant.quant.robust_config import RobustConfig
 from optquant.tracking import LogConfig
@@ -97,8 +98,11 @@ def run_preset(name: str) -> RunConfig:
 def config_hash(cfg: Any) -> str:
     """The run id's hash. Left out: `log` (where a run is logged), `preset` (a label) and `train.compile`
     (how it executes) are not which run it is, and run ids from before those settings existed stay valid;
-    so does `robust` with method "none" (the plain run, as before the section existed)."""
+    so does `robust` with method "none" (the plain run, as before the section existed). A renamed optimizer
+    field is hashed under its old name (the config's LEGACY_NAMES), so the rename kept every run id."""
     data = to_dict(cfg)
+    for new, old in getattr(getattr(cfg, "optim", None), "LEGACY_NAMES", {}).items():
+        data["optim"][old] = data["optim"].pop(new)
     if isinstance(cfg, RunConfig):
         data.pop("log", None)
         data.pop("preset", None)
@@ -160,27 +164,20 @@ def parse_value(value: str, tp: Any, path: str) -> Any:
 
 # --- validation: every field's type and range, checked whenever a config is built ----------------
 
-# (low, high, low inclusive, high inclusive) by field name; a `<section>.<field>` or `<optimizer>.<field>`
-# entry wins over the bare name. Fields not listed only have their type checked.
-_POS = (0.0, math.inf, False, False)
-_NONNEG = (0.0, math.inf, True, False)
-_ONE_UP = (1, math.inf, True, False)
-_UNIT = (0.0, 1.0, True, False)
-_RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    **dict.fromkeys(("lr", "adam_lr", "embed_lr", "vector_lr", "precondition_lr", "eps", "adam_eps", "scale",
-                     "rope_base", "init_std", "cl_threshold"), _POS),
-    **dict.fromkeys(("weight_decay", "adam_lr_ratio", "embed_lr_ratio", "vector_lr_ratio", "tokens_per_param",
-                     "steps", "diverge_factor", "split_seed", "cl_eval_every", "cl_eval_from"), _NONNEG),
-    **dict.fromkeys(("batch_size", "grad_accum", "eval_every", "eval_batches", "ns_steps", "precondition_frequency",
-                     "n_layer", "d_model", "n_head", "n_kv_head", "mlp_ratio", "max_size_triangular",
-                     "min_ndim_triangular", "max_preconditioner_dim", "max_precondition_dim"), _ONE_UP),
-    **dict.fromkeys(("momentum", "shampoo_beta", "warmup_frac", "decay_frac"), _UNIT),
-    **dict.fromkeys(("update_prob", "balance_prob", "scion.momentum"), (0.0, 1.0, False, True)),
+# (low, high, low inclusive, high inclusive) by field name (optim/ranges.py); a config's own RANGES (every
+# optimizer's) win, then a `<section>.<field>` entry, then the bare name. `lr` is every optimizer's peak
+# learning rate. Fields not listed only have their type checked.
+_RANGES: dict[str, Range] = {
+    **dict.fromkeys(("lr", "rope_base", "init_std", "cl_threshold"), POSITIVE),
+    **dict.fromkeys(("tokens_per_param", "steps", "diverge_factor", "split_seed", "cl_eval_every", "cl_eval_from"),
+                    NONNEG),
+    **dict.fromkeys(("batch_size", "grad_accum", "eval_every", "eval_batches", "n_layer", "d_model", "n_head",
+                     "n_kv_head", "mlp_ratio"), ONE_UP),
+    **dict.fromkeys(("warmup_frac", "decay_frac"), UNIT),
     "seed": (0, 2**31 - 1, True, True),  # numpy seeds must fit 32 bits; offsets are added to it
     "seq_len": (2, math.inf, True, False),
     "vocab_size": (257, 2**31 - 1, True, True),
-    "start_preconditioning_step": (-1, math.inf, True, False),
-    "robust.every": _ONE_UP,
+    "robust.every": ONE_UP,
 }
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 MAX_NAME = 128  # a run directory's name adds the optimizer and a hash; file names stop at 255 bytes
@@ -228,8 +225,8 @@ def _check_type(value: Any, tp: Any, path: str) -> None:
         raise OptquantError(f"{path}={value!r}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__}")
 
 
-def _check_range(value: Any, keys: tuple[str, ...], path: str) -> None:
-    rule = next((_RANGES[k] for k in keys if k in _RANGES), None)
+def _check_range(value: Any, own: dict[str, Range], keys: tuple[str, ...], path: str) -> None:
+    rule = own.get(keys[-1]) or next((_RANGES[k] for k in keys if k in _RANGES), None)
     if rule is None or value is None or isinstance(value, bool) or not isinstance(value, int | float):
         return
     lo, hi, lo_in, hi_in = rule
@@ -238,7 +235,8 @@ def _check_range(value: Any, keys: tuple[str, ...], path: str) -> None:
         raise OptquantError(f"{path}={value}: must be in {interval}")
 
 
-def _check_fields(obj: Any, section: str, owner: str) -> None:
+def _check_fields(obj: Any, section: str) -> None:
+    own = getattr(type(obj), "RANGES", {})  # an optimizer config's ranges for its own fields
     for f in fields(obj):
         value, tp = getattr(obj, f.name), _field_types(type(obj))[f.name]
         path = f"{section}.{f.name}" if section else f.name
@@ -248,9 +246,9 @@ def _check_fields(obj: Any, section: str, owner: str) -> None:
         else:
             _check_type(value, tp, path)
         if is_dataclass(value):
-            _check_fields(value, path, getattr(value, "name", f.name) if f.name == "optim" else f.name)
+            _check_fields(value, path)
         else:
-            _check_range(value, (f"{owner}.{f.name}", f"{section}.{f.name}", f.name), path)
+            _check_range(value, own, (f"{section}.{f.name}", f.name), path)
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -261,7 +259,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if isinstance(cfg.optim, PluginConfig) and math.isnan(cfg.optim.lr):
         raise OptquantError(f"optimizer plugin {cfg.optim.name!r} declares no default_lr: set optim.lr=... "
                             f"(in a study: lrs.{cfg.optim.name}=...)")
-    _check_fields(cfg, "", "")
+    _check_fields(cfg, "")
     if not _NAME.fullmatch(cfg.name) or len(cfg.name) > MAX_NAME:
         raise OptquantError(f"name={cfg.name[:40]!r}{'…' if len(cfg.name) > 40 else ''}: use at most {MAX_NAME} "
                             "letters, digits and . _ + - (it names the run directory)")
@@ -297,7 +295,7 @@ def field_type(cfg: Any, keys: list[str], path: str) -> Any:
     """The type of the field at `keys` (a dotted path, split) of dataclass `cfg`."""
     if not is_dataclass(cfg):
         raise OptquantError(f"--set {path}: {'.'.join(keys[:-1]) or path} has no fields")
-    key, types_ = keys[0], _field_types(type(cfg))
+    key, types_ = _current_name(type(cfg), keys[0]), _field_types(type(cfg))
     if key not in types_:
         known = ", ".join(f.name for f in fields(cfg))
         raise OptquantError(f"--set {path}: unknown field {key!r} (known: {known})")
@@ -401,10 +399,18 @@ def resolve(preset: str | None, toml_path: Path | None, overrides: list[str]) ->
     return apply_overrides(cfg, toml_overrides + list(overrides))
 
 
+def _current_name(cls: type, key: str) -> str:
+    """A field's name now, for `key` that may be its old name (an optimizer config's LEGACY_NAMES)."""
+    return next((new for new, old in getattr(cls, "LEGACY_NAMES", {}).items() if old == key), key)
+
+
 def _build(cls: type, data: dict, path: str) -> Any:
     types_ = _field_types(cls)
     kwargs = {}
-    for key, value in data.items():
+    for given, value in data.items():
+        key = _current_name(cls, given)  # an old config.json spells a renamed field by its old name
+        if key != given and key in data:
+            raise OptquantError(f"{path}: both {key!r} and its old name {given!r}")
         if key not in types_:
             raise OptquantError(f"{path}: unknown field {key!r} for {cls.__name__}")
         tp = types_[key]

@@ -87,9 +87,9 @@ def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
 def _caps(cap: int) -> dict[str, tuple[str, ...]]:
     """Preconditioner size caps scaled to the model, keeping the paper's regime: the vocabulary
     dimension is above the cap (diagonal/unpreconditioned/blocked) and every hidden dimension below it
-    (the paper: 12288 with vocab 32000 and hidden widths up to 8192)."""
-    return {"psgd": (f"optim.max_size_triangular={cap}",), "soap": (f"optim.max_precondition_dim={cap}",),
-            "shampoo": (f"optim.max_preconditioner_dim={cap}",)}
+    (the paper: 12288 with vocab 32000 and hidden widths up to 8192), for every optimizer that has a cap."""
+    return {o: (f"optim.max_precondition_dim={cap}",) for o, c in OPTIMIZERS.items()
+            if hasattr(c, "max_precondition_dim")}
 
 
 def smoke() -> StudySpec:
@@ -113,8 +113,9 @@ _FP32_NS = ("optim.ns_dtype=fp32",)
 
 
 def _cpu_per_optimizer() -> dict[str, tuple[str, ...]]:
-    caps = _caps(512)
-    return {**caps, "muon": _FP32_NS, "scion": _FP32_NS}
+    """The caps at 512, and Newton–Schulz in fp32 for every optimizer that has one."""
+    caps, ns = _caps(512), {o: _FP32_NS for o, c in OPTIMIZERS.items() if hasattr(c, "ns_dtype")}
+    return {o: caps.get(o, ()) + ns.get(o, ()) for o in {**caps, **ns}}
 
 
 def cpu() -> StudySpec:
