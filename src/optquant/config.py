@@ -311,9 +311,8 @@ def set_field(cfg: Any, keys: list[str], value: str, path: str) -> Any:
 
 
 def _set(cfg: Any, keys: list[str], value: Any) -> Any:
-    if len(keys) == 1:
-        return replace(cfg, **{keys[0]: value})
-    return replace(cfg, **{keys[0]: _set(getattr(cfg, keys[0]), keys[1:], value)})
+    key = _current_name(type(cfg), keys[0])
+    return replace(cfg, **{key: value if len(keys) == 1 else _set(getattr(cfg, key), keys[1:], value)})
 
 
 def _switched(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
