@@ -151,6 +151,7 @@ def test_study_warns_when_no_lr_converged(nano_cfg, tmp_path):
     from optquant.config import apply_overrides
     from optquant.study.plan import Study, loss_of, warn_unconverged
     from optquant.study.spec import StudySpec
+    from optquant.study.tuning import LRSearch
 
     table = {}
     for opt in ("adamw", "soap"):
@@ -158,7 +159,7 @@ def test_study_warns_when_no_lr_converged(nano_cfg, tmp_path):
         per_lr = {float(lr): [train(apply_overrides(nano_cfg, [f"optim.name={opt}", f"optim.lr={lr}"]),
                                     tmp_path / f"{opt}-{lr}")] for lr in lrs}
         best = min(per_lr, key=lambda lr: loss_of(per_lr[lr][0]))
-        table[(opt, "nano")] = {"lrs": per_lr, "best": best, "best_loss": loss_of(per_lr[best][0])}
+        table[(opt, "nano")] = LRSearch(per_lr, best, "bracketed", "", loss_of(per_lr[best][0]))
     events = []
     messages = warn_unconverged(Study(StudySpec(), tmp_path, events.append), table)
     assert len(messages) == 1 and "soap" in messages[0] and "nano" in messages[0]
