@@ -48,7 +48,8 @@ from optquant.optim import (
 Build = Callable[[ParamGroups], list[torch.optim.Optimizer]]
 
 
-NS_VARIANTS = ("muon", "scion")  # the optimizers with a Newton–Schulz dtype, timed in bf16 and fp32
+# the optimizers with a Newton–Schulz dtype (the ns_dtype field), timed in bf16 and fp32
+NS_VARIANTS = tuple(name for name, cls in OPTIMIZERS.items() if hasattr(cls, "ns_dtype"))
 LIBRARY_BF16_NS = ("pytorch_optimizer.Muon", "heavyball.Muon", "heavyball.Scion")  # bf16 Newton–Schulz inside
 
 

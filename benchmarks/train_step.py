@@ -41,7 +41,7 @@ def digest(model: torch.nn.Module) -> str:
 
 
 def measure(preset: str, optimizer: str, qat: bool, blocks: int, block: int) -> dict:
-    cfg = run_config(cpu(), preset, optimizer, extra=("qat.method=quest",) if qat else ())  # the study's run
+    cfg = run_config(cpu(), preset, optimizer, {"qat.method": "quest"} if qat else None)  # the study's run
     tokens = torch.randint(0, 1024, (200_000,), generator=torch.Generator().manual_seed(1)).numpy()
     runs = {}
     for name in ("plain", "fast"):

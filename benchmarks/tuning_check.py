@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from optquant.config import to_dict
 from optquant.runs import read_config, run_dir
-from optquant.study.executor import Job, execute
+from optquant.study.executor import execute
+from optquant.study.jobs import TrainJob
 
 FACTORS = (3.0, 1 / 3)
 
@@ -65,7 +65,7 @@ def main() -> None:
         noise = 2 * statistics.stdev(g["value"]) if len(g) > 1 else float("nan")
         for label, moved in moves(cfg).items():
             path = run_dir(runs, moved)
-            jobs[path.name] = Job("train", path.name, {"config": to_dict(moved), "run_dir": str(path)})
+            jobs[path.name] = TrainJob(moved, path)
             plan.append((size, opt, label, float(chosen.value), noise, path.name))
     results = execute(list(jobs.values()), "local", args.workers, root / "tuning-check" / "submitit")
     print(f"{'size':6} {'optimizer':8} {'move':20} {'chosen':>8} {'moved':>8} {'gain':>8} {'2σ seeds':>8}  holds")

@@ -140,7 +140,9 @@ read off the best runs' built optimizers, and a claim comparing an optimizer wit
 
 The study presets scale the PSGD/SOAP/Shampoo dimension caps to the model (`per_optimizer` in the
 study spec) so that, as in the paper, the vocabulary dimension is above the cap and every hidden
-dimension below it.
+dimension below it. The cap is `optim.max_precondition_dim` for all three (passed on as Kron's
+`max_size_triangular` and Shampoo's `max_preconditioner_dim`); those old names are still read from
+config.json files and overrides, and run ids hash them as before.
 
 **What the costs mean for a study.** Muon and Scion store less state than AdamW (one buffer) but pay
 a Newton–Schulz orthogonalisation each step, cubic in the smaller matrix dimension, so they get
@@ -155,8 +157,10 @@ tokens, not wall-clock, and compare optimizer state with `state_bytes`.
 
 - **PTQ** (`quant/ptq.py`, `quantize_(model, PTQConfig(...), calib)`): the paper's W4A4 is symmetric
   absmax RTN on the [−7, 7] grid, weights per output channel, activations per token (dynamic), on
-  every linear layer inside the blocks (`quantize_head` adds the LM head). Grids `sym8` ([−8, 7]),
-  `odd` (the authors' 16-level grid without zero), `asym`; weight groups; weight-only (`a_bits=16`);
+  every linear layer inside the blocks (`quantize_head` adds the LM head). Grids `sym8` ([−8, 7], llama.cpp's
+  Q4_0), `full` ([−8, 7] with Δ = absmax/7.5: llm-compressor's and torchao's symmetric int4, bitwise
+  compressed-tensors'; schemes `w4a4-rtn-full`, `w4a16-gptq-full-g128`), `odd` (the authors' 16-level grid
+  without zero), `asym`; weight groups; weight-only (`a_bits=16`);
   MXFP4 (E2M1, 32-blocks, E8M0 scales) and NVFP4 (E2M1, 16-blocks, E4M3 scales + fp32 tensor scale).
 - **GPTQ** (`quant/gptq.py`): Hessians from train-split calibration sequences, layer groups in forward
   order with earlier layers already quantized, damping, lazy 128-column blocks, act-order, groups.
@@ -299,11 +303,12 @@ def table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 COLUMNS = ("key", "type", "default", "range / choices", "meaning")
 
 
-def field_rows(cls: type, prefix: str, owner: str | None, section: str, choices: dict[str, str] | None = None,
+def field_rows(cls: type, prefix: str, ranged: bool = True, choices: dict[str, str] | None = None,
                skip: tuple[str, ...] = (), keys: dict[str, str] | None = None) -> list[tuple[str, ...]]:
-    """One row per field of dataclass `cls`. `owner`/`section` select config.field_range's rule (owner None: a
-    class `validate` does not range-check); `choices` adds choices that are not in the type (a registry's
-    names); `keys` replaces a field's key (a dict-valued field's form); `skip` leaves fields out."""
+    """One row per field of dataclass `cls`, its keys `prefix` + name. `ranged`: config.validate checks the class,
+    so config.field_range gives each field's range (False: a class it does not check); `choices` adds choices
+    that are not in the type (a registry's names); `keys` replaces a field's key (a dict-valued field's form);
+    `skip` leaves fields out."""
     from optquant.config import field_range
 
     hints, comments = typing.get_type_hints(cls), field_comments(cls)
@@ -322,8 +327,8 @@ def field_rows(cls: type, prefix: str, owner: str | None, section: str, choices:
         literal = next((a for a in (tp, *typing.get_args(tp)) if typing.get_origin(a) is Literal), None)
         if literal is not None:
             allowed = ", ".join(f"`{fmt_value(c)}`" for c in typing.get_args(literal))
-        if owner is not None and not allowed:
-            allowed = fmt_range(field_range(owner, section, f.name))
+        if ranged and not allowed:
+            allowed = fmt_range(field_range(cls, prefix.rstrip("."), f.name))
         key = (keys or {}).get(f.name, f"{prefix}{f.name}")
         while key != f"{prefix}{f.name}" and typing.get_origin(tp) is dict:  # `lrs.<optimizer>`: one entry's type
             tp = typing.get_args(tp)[1]
@@ -356,29 +361,29 @@ def run_sections() -> str:
     nested = tuple(f.name for f in dataclasses.fields(RunConfig) if f.name in ("model", "data", "optim", "train",
                                                                                 "qat", "robust", "log"))
     out.append(section("Top level (`RunConfig`)", class_doc(RunConfig),
-                       field_rows(RunConfig, "", "", "", skip=nested)))
+                       field_rows(RunConfig, "", skip=nested)))
     for name, cls, title in (("model", ModelConfig, "`model.*` (`ModelConfig`, model.py)"),
                              ("data", DataConfig, "`data.*` (`DataConfig`, data.py)")):
-        out.append(section(title, class_doc(cls), field_rows(cls, f"{name}.", name, name)))
+        out.append(section(title, class_doc(cls), field_rows(cls, f"{name}.")))
     out.append("### `optim.*` (the optimizer)\n\n"
                f"`optim.name` chooses the optimizer: one of {names(OPTIMIZERS)} (default `adamw`), or a plugin "
                "(`module:function`, `file.py:function` or an `optquant.optimizers` entry point; optim/plugin.py). "
                "It is applied before the other `optim.*` keys, which then set that optimizer's fields below.\n")
     for opt, cls in OPTIMIZERS.items():
         intro = f"With `optim.name={opt}` ({cls.__name__}, {Path(inspect.getsourcefile(cls)).name}). {class_doc(cls)}"
-        out.append(section(f"`optim.name={opt}`", intro, field_rows(cls, "optim.", opt, "optim", skip=("name",)),
+        out.append(section(f"`optim.name={opt}`", intro, field_rows(cls, "optim.", skip=("name",)),
                            level=4))
     out.append(section("`optim.name=<plugin>`", f"`PluginConfig` (optim/plugin.py). {class_doc(PluginConfig)}",
-                       field_rows(PluginConfig, "optim.", "plugin", "optim", skip=("name",)), level=4))
+                       field_rows(PluginConfig, "optim.", skip=("name",)), level=4))
     out.append(section("`train.*` (`TrainConfig`, config.py)", class_doc(TrainConfig),
-                       field_rows(TrainConfig, "train.", "train", "train")))
+                       field_rows(TrainConfig, "train.")))
     out.append(section("`qat.*` (`QATConfig`, quant/qat_config.py)",
                        "No QAT section by default (`qat=none`); setting any `qat.*` key creates it with these "
-                       "defaults. " + class_doc(QATConfig), field_rows(QATConfig, "qat.", "qat", "qat")))
+                       "defaults. " + class_doc(QATConfig), field_rows(QATConfig, "qat.")))
     out.append(section("`robust.*` (`RobustConfig`, quant/robust_config.py)", _pre(class_doc(RobustConfig)),
-                       field_rows(RobustConfig, "robust.", "robust", "robust")))
+                       field_rows(RobustConfig, "robust.")))
     out.append(section("`log.*` (`LogConfig`, tracking.py)", "Experiment tracking; not part of the run id.",
-                       field_rows(LogConfig, "log.", "log", "log")))
+                       field_rows(LogConfig, "log.")))
     return "\n".join(out)
 
 
@@ -404,7 +409,7 @@ def study_sections() -> str:
                "robust": "entries `method[:strength[:every]]`, method one of " + names(ROBUST_METHODS[1:])}
     keys = {"lrs": "lrs.<optimizer>", "sweeps": "sweeps.<optimizer>.<run key>", "run": "run",
             "per_optimizer": "per_optimizer"}
-    rows = field_rows(StudySpec, "", None, "", choices=choices, skip=("eval",), keys=keys)
+    rows = field_rows(StudySpec, "", False, choices=choices, skip=("eval",), keys=keys)
     notes = {"`lrs.<optimizer>`": "one optimizer's explicit LR grid, e.g. `lrs.muon=0.01,0.02,0.04`",
              "`sweeps.<optimizer>.<run key>`": "values of one run key, e.g. `sweeps.muon.optim.momentum=0.9,0.95`",
              "`run`": "each `--set run=key=value` appends one run override, e.g. `run=train.tokens_per_param=10`",
@@ -418,7 +423,7 @@ def study_sections() -> str:
     out = ["## Study settings (`optquant study --set`)\n", section("`StudySpec` (study/spec.py)", intro, rows)]
     out.append(section("`eval.*` (`HarnessConfig`, harness.py)",
                        class_doc(HarnessConfig) + " Needs `optquant[eval]` and the task data offline.",
-                       field_rows(HarnessConfig, "eval.", None, "eval")))
+                       field_rows(HarnessConfig, "eval.", False)))
     return "\n".join(out)
 
 
@@ -429,7 +434,7 @@ def plan_section() -> str:
     return section("Dry-run GPU assumptions (`plan.*`)",
                    "`GPUConfig` (cost.py): what `optquant train --dry-run` and `optquant study --dry-run` assume "
                    "for the GPU-hours and memory. " + class_doc(GPUConfig),
-                   field_rows(GPUConfig, "plan.", None, "plan", choices={"gpu": gpus}), level=2)
+                   field_rows(GPUConfig, "plan.", False, choices={"gpu": gpus}), level=2)
 
 
 # ----------------------------------------------------------------------------- presets

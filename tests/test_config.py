@@ -3,10 +3,13 @@
 import pytest
 
 from optquant.config import (
+    RunConfig,
     apply_overrides,
     config_hash,
     from_dict,
+    override,
     resolve,
+    run_id,
     run_preset,
     to_dict,
 )
@@ -20,6 +23,23 @@ def test_typed_overrides():
     assert cfg.optim.lr == 3e-3 and cfg.model.n_layer == 3 and cfg.train.precision == "fp32"
     assert cfg.train.cl_threshold == 4.5 and cfg.data.source == "/x"
     assert apply_overrides(cfg, ["train.cl_threshold=none"]).train.cl_threshold is None
+
+
+def test_typed_values_give_the_config_their_strings_give():
+    """`override` takes typed values (the study's own settings); the strings of --set and TOML are parsed into
+    the same values, so both build the same run (the same run id)."""
+    strings = ["optim.name=muon", "optim.lr=0.02", "optim.adam_lr_ratio=0.1", "seed=3", "train.keep_history=true",
+               "train.cl_threshold=4.25", "qat.method=quest", "qat.w_bits=4"]
+    values = {"optim.name": "muon", "optim.lr": 0.02, "optim.adam_lr_ratio": 0.1, "seed": 3,
+              "train.keep_history": True, "train.cl_threshold": 4.25, "qat.method": "quest", "qat.w_bits": 4}
+    typed, parsed = override(run_preset("nano"), values), apply_overrides(run_preset("nano"), strings)
+    assert typed == parsed and config_hash(typed) == config_hash(parsed)
+    with pytest.raises(OptquantError, match="unknown field 'lrr'"):
+        override(run_preset("nano"), {"optim.lrr": 1.0})
+    with pytest.raises(OptquantError, match=r"optim.lr=-1.0: must be in"):  # typed values are range-checked too
+        override(run_preset("nano"), {"optim.lr": -1.0})
+    with pytest.raises(OptquantError, match="optim.lr"):  # ... and type-checked
+        override(run_preset("nano"), {"optim.lr": "fast"})
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -75,3 +95,58 @@ def test_preset_is_a_label_not_part_of_the_run_id():
     old = to_dict(cfg)
     del old["preset"]  # a config.json written before the field existed
     assert from_dict(old).preset == "" and config_hash(from_dict(old)) == config_hash(cfg)
+
+
+# Regression fixture: the ids computed by the code before PSGD's `max_size_triangular` and Shampoo's
+# `max_preconditioner_dim` were renamed `max_precondition_dim` (SOAP's name), at commit 425bb21. Studies
+# resume by run id and results.parquet holds run ids, so the rename must not change any.
+PRE_RENAME_IDS = {  # run_id of the tiny preset with optim.name=...
+    "adamw": "tiny-adamw-a59aa3dccd", "muon": "tiny-muon-348d2e1553", "psgd": "tiny-psgd-94a778de93",
+    "scion": "tiny-scion-a52512fa82", "shampoo": "tiny-shampoo-a7350f3037", "soap": "tiny-soap-399664f64a",
+}
+PRE_RENAME_CAPPED = {"psgd": "tiny-psgd-1288c4f118", "shampoo": "tiny-shampoo-72226100bc",
+                     "soap": "tiny-soap-4459c4af80"}  # ... with the cap at 512
+PRE_RENAME_HASHES = {"adamw": "aa4bbce625", "muon": "e06be105c9", "psgd": "4995d409bf", "scion": "ed997449a1",
+                     "shampoo": "da292d80b0", "soap": "97109187cb"}  # config_hash(RunConfig(optim=<defaults>))
+OLD_CAP_NAMES = {"psgd": "max_size_triangular", "shampoo": "max_preconditioner_dim"}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_run_ids_are_those_from_before_the_cap_rename(name):
+    assert config_hash(RunConfig(optim=OPTIMIZERS[name]())) == PRE_RENAME_HASHES[name]
+    cfg = apply_overrides(run_preset("tiny"), [f"optim.name={name}"])
+    assert run_id(cfg) == PRE_RENAME_IDS[name]
+    if name in PRE_RENAME_CAPPED:
+        capped = apply_overrides(cfg, ["optim.max_precondition_dim=512"])
+        assert run_id(capped) == PRE_RENAME_CAPPED[name]
+        old = OLD_CAP_NAMES.get(name, "max_precondition_dim")
+        assert apply_overrides(cfg, [f"optim.{old}=512"]) == capped  # a recorded study spec's override
+        record = to_dict(capped)
+        record["optim"][old] = record["optim"].pop("max_precondition_dim")  # an old config.json
+        assert from_dict(record) == capped
+
+
+def test_a_field_under_both_names_is_an_error():
+    record = to_dict(apply_overrides(run_preset("nano"), ["optim.name=psgd"]))
+    record["optim"]["max_size_triangular"] = 64
+    with pytest.raises(OptquantError, match="both 'max_precondition_dim' and its old name 'max_size_triangular'"):
+        from_dict(record)
+
+
+@pytest.mark.parametrize("name, override, message", [
+    ("muon", "optim.momentum=1", "optim.momentum=1.0: must be in [0, 1)"),
+    ("scion", "optim.momentum=0", "optim.momentum=0.0: must be in (0, 1]"),  # Scion's α = 1 − β
+    ("scion", "optim.momentum=1", None),
+    ("psgd", "optim.update_prob=0", "optim.update_prob=0.0: must be in (0, 1]"),
+    ("psgd", "optim.seed=-1", "optim.seed=-1: must be in [0, 2.14748e+09]"),
+    ("shampoo", "optim.start_preconditioning_step=-2", "optim.start_preconditioning_step=-2: must be in [-1, inf)"),
+    ("soap", "optim.max_precondition_dim=0", "optim.max_precondition_dim=0: must be in [1, inf)"),
+    ("adamw", "optim.lr=0", "optim.lr=0.0: must be in (0, inf)"),
+])
+def test_each_optimizer_checks_its_own_ranges(name, override, message):
+    if message is None:
+        apply_overrides(run_preset("nano"), [f"optim.name={name}", override])
+        return
+    with pytest.raises(OptquantError) as err:
+        apply_overrides(run_preset("nano"), [f"optim.name={name}", override])
+    assert str(err.value) == message

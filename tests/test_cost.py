@@ -13,7 +13,6 @@ from optquant.cost import (
     meta_model,
     optimizer_state_bytes,
     run_cost,
-    shampoo_blocks,
     split_gpu_overrides,
 )
 from optquant.errors import OptquantError
@@ -23,8 +22,8 @@ from optquant.study.dryrun import stages
 from optquant.study.spec import study_preset
 
 # caps below the vocabulary (and, for Shampoo, below a hidden width) so every fallback path runs
-CAPS = {"psgd": ("optim.max_size_triangular=256",), "soap": ("optim.max_precondition_dim=256",),
-        "shampoo": ("optim.max_preconditioner_dim=100",)}
+CAPS = {"psgd": ("optim.max_precondition_dim=256",), "soap": ("optim.max_precondition_dim=256",),
+        "shampoo": ("optim.max_precondition_dim=100",)}
 
 
 def measured_state(cfg, steps: int = 1, batch: int = 2, seq: int = 16) -> int:
@@ -52,7 +51,7 @@ def test_state_estimate_matches_built_optimizer(opt, capped):
 @pytest.mark.parametrize("override", ["optim.precondition_1d=true", "optim.momentum=0.5", "optim.beta1=0"])
 def test_shampoo_state_options(override):
     cfg = apply_overrides(run_preset("femto"), ["optim.name=shampoo", "model.vocab_size=300",
-                                                "optim.max_preconditioner_dim=64", override])
+                                                "optim.max_precondition_dim=64", override])
     assert optimizer_state_bytes(meta_model(cfg), cfg.optim) == measured_state(cfg)
 
 
@@ -64,7 +63,7 @@ def test_psgd_memory_save_modes(mode):
 
 
 def test_shampoo_blocks_are_block_views():
-    from optquant.optim.shampoo import block_views
+    from optquant.optim.shampoo import block_views, shampoo_blocks
 
     for shape, cap in [((300, 32), 100), ((1, 4, 1, 1), 3), ((7,), 7), ((1,), 5), ((250, 250), 128)]:
         assert shampoo_blocks(shape, cap) == [tuple(b.shape) for b in block_views(torch.empty(shape), cap)]
@@ -123,12 +122,15 @@ def test_warning_names_a_fix_that_fits():
     assert not run_cost(apply_overrides(cfg, [f"train.grad_accum={accum // 2}"]), plan).fits
     # PSGD at 1.5B with the cap above the vocabulary: a 4 GB vocabulary factor and 8192² MLP factors
     # that no micro-batch makes fit on 40 GB; a lower cap does
-    psgd = apply_overrides(run_preset("1.5b"), ["optim.name=psgd", "optim.max_size_triangular=40000"])
+    psgd = apply_overrides(run_preset("1.5b"), ["optim.name=psgd", "optim.max_precondition_dim=40000"])
     b = run_cost(psgd, GPUConfig(gpu="a100-40gb"))
-    assert not b.fits and b.fix.startswith("optim.max_size_triangular="), b.fix
+    assert not b.fits and b.fix.startswith("optim.max_precondition_dim="), b.fix
     cap = int(b.fix.split("=")[1].split()[0])
-    fixed = apply_overrides(psgd, [f"optim.max_size_triangular={cap}", f"train.grad_accum={b.fix.split('=')[-1]}"])
+    fixed = apply_overrides(psgd, [f"optim.max_precondition_dim={cap}", f"train.grad_accum={b.fix.split('=')[-1]}"])
     assert run_cost(fixed, GPUConfig(gpu="a100-40gb")).fits
+    for name in ("soap", "shampoo"):  # the one cap of every optimizer that has one, lowered the same way
+        cfg = apply_overrides(run_preset("760m"), [f"optim.name={name}", "optim.max_precondition_dim=40000"])
+        assert run_cost(cfg, GPUConfig(gpu="a100-40gb")).fix.startswith("optim.max_precondition_dim=20000 and ")
 
 
 def test_plan_overrides_and_bad_gpu():
@@ -220,4 +222,4 @@ def test_1_5b_on_meta_counts_parameters_and_state():
     vocab_blocks = 2 * 12288**2 + (V - 2 * 12288) ** 2 + 3 * d * d
     shampoo = 8 * n + 8 * (vocab_blocks + L * (per_layer_sq + 2 * d * d + H * H) + d * d)
     assert state("shampoo") == shampoo
-    assert state("psgd", "optim.max_size_triangular=40000") == psgd + 4 * (V * V - V)
+    assert state("psgd", "optim.max_precondition_dim=40000") == psgd + 4 * (V * V - V)

@@ -4,22 +4,28 @@ cost log (costs.jsonl) with the report's cost section built from what the execut
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import dataclass
 
 import pytest
 
-from optquant.config import apply_overrides, to_dict
+from optquant.config import apply_overrides
+from optquant.harness import HarnessConfig
 from optquant.ptq_stage import AnalysisConfig, ptq_analysis, ptq_damage, scheme_config
 from optquant.report.costs import cost_section, read_costs, utilisation
 from optquant.study import executor
-from optquant.study.executor import Job, estimate_cost, execute, longest_first
-from optquant.study.jobs import ptq_job
+from optquant.study.executor import estimate_cost, execute, longest_first
+from optquant.study.jobs import PTQJob, TrainJob
 from optquant.train import train
 
 
-def _train_job(cfg, root, name: str, *extra: str) -> Job:
-    c = apply_overrides(cfg, list(extra))
-    return Job("train", name, {"config": to_dict(c), "run_dir": str(root / "runs" / name)})
+def _train_job(cfg, root, name: str, *extra: str) -> TrainJob:
+    return TrainJob(apply_overrides(cfg, list(extra)), root / "runs" / name)
+
+
+@dataclass(frozen=True)
+class Pinned(TrainJob):
+    def cost(self) -> float:
+        return 1e30
 
 
 def test_longest_first_by_estimated_training_cost(nano_cfg, tmp_path):
@@ -28,7 +34,7 @@ def test_longest_first_by_estimated_training_cost(nano_cfg, tmp_path):
     wide = _train_job(nano_cfg, tmp_path, "wide", "train.steps=50", "model.d_model=96")
     assert estimate_cost(wide) > estimate_cost(long) > estimate_cost(short) > 0
     assert [j.key for j in longest_first([short, long, wide])] == ["wide", "long", "short"]
-    pinned = Job("train", "pinned", short.args, cost=1e30)  # an explicit cost wins over the estimate
+    pinned = Pinned(short.cfg, tmp_path / "runs" / "pinned")  # a job's own cost is what counts
     assert longest_first([short, long, pinned])[0].key == "pinned"
 
 
@@ -60,9 +66,8 @@ def test_ptq_job_loads_once_and_matches_separate_calls(nano_cfg, tmp_path, monke
     loads = []
     real = analysis.load_run_model
     monkeypatch.setattr(analysis, "load_run_model", lambda *a, **k: loads.append(1) or real(*a, **k))
-    out = ptq_job(str(run), asdict(scheme), "final", 20)
+    out, parts = PTQJob(run, scheme, AnalysisConfig(weights="final", mc_items=20)).run()
     assert len(loads) == 1
-    parts = out.pop("_seconds_by_part")
     assert set(parts) == {"ptq", "analysis"}
     # the same numbers as the two parts called on their own (each loading the model itself)
     other = tmp_path / "other"
@@ -79,13 +84,15 @@ def test_a_finished_ptq_job_is_answered_from_files_only_when_they_cover_it(nano_
     for them: the executor redoes it (the study's rerun after eval.* changed)."""
     run = tmp_path / "run"
     train(apply_overrides(nano_cfg, ["train.steps=6"]), run)
-    scheme = asdict(scheme_config("w4a4-rtn"))
-    args = {"run_dir": str(run), "ptq": scheme, "weights": "final"}
-    ptq_job(**args, mc_items=0)
-    assert executor.done_result(Job("ptq", "a", {**args, "mc_items": 0})) is not None
-    assert executor.done_result(Job("ptq", "b", {**args, "mc_items": 20})) is None
-    tasks = {"tasks": ["some_task"], "include_path": "", "limit": 0}
-    assert executor.done_result(Job("ptq", "c", {**args, "mc_items": 0, "harness": tasks})) is None
+    scheme = scheme_config("w4a4-rtn")
+
+    def job(**kw) -> PTQJob:
+        return PTQJob(run, scheme, AnalysisConfig(weights="final", **kw))
+
+    job(mc_items=0).run()
+    assert job(mc_items=0).done() is not None
+    assert job(mc_items=20).done() is None
+    assert job(mc_items=0, harness=HarnessConfig(tasks=("some_task",))).done() is None
 
 
 def test_cost_section_from_the_executor_log(nano_cfg, tmp_path):

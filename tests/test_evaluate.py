@@ -4,11 +4,10 @@ Strategy: val_loss against a direct cross-entropy; item construction checked for
 its promises (true continuation follows the context in the same document, distractors from other
 documents, lm-eval's character lengths); scoring checked with an oracle model that knows every next
 token of the validation stream (acc = acc_norm = 1) and a uniform model (chance, 1/K). The lm-eval
-adapter: a clear error without lm_eval, and, with a stub `lm_eval.api.model.LM`, the same
+adapter: a clear error without lm_eval, and, with a stub `lm_eval.api.model.TemplateLM`, the same
 log-likelihoods as the built-in scorer.
 """
 
-import abc
 import math
 import sys
 import types
@@ -184,10 +183,22 @@ def test_lm_eval_missing_raises(monkeypatch):
         lm_eval_adapter(Uniform(), None, eot_id=EOT)
 
 
+class StubTemplateLM:
+    """lm_eval.api.model.TemplateLM's contract, reduced: encode the context and the whole string (the tokenizer's
+    own special tokens included), split after the context's tokens, score the token requests."""
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        encoded = []
+        for r in requests:
+            ctx, whole = self.tok_encode(r.args[0]), self.tok_encode(r.args[0] + r.args[1])
+            encoded.append((r.args, ctx, whole[len(ctx):]))
+        return self._loglikelihood_tokens(encoded)
+
+
 def test_lm_eval_adapter_with_stub_harness(monkeypatch, val, tokenizer):
-    """A stand-in for lm_eval.api.model.LM: the adapter's log-likelihoods equal the built-in scorer's."""
+    """A stand-in for lm_eval.api.model.TemplateLM: the adapter's log-likelihoods equal the built-in scorer's."""
     stub = types.ModuleType("lm_eval.api.model")
-    stub.LM = type("LM", (abc.ABC,), {})
+    stub.TemplateLM = StubTemplateLM
     monkeypatch.setitem(sys.modules, "lm_eval", types.ModuleType("lm_eval"))
     monkeypatch.setitem(sys.modules, "lm_eval.api", types.ModuleType("lm_eval.api"))
     monkeypatch.setitem(sys.modules, "lm_eval.api.model", stub)

@@ -233,7 +233,7 @@ def real_files(tmp_path_factory, corpus):
     """A finished run and a killed one (with a checkpoint) made by the CLI, and a study's results file."""
     import pandas as pd
 
-    from optquant.ptq_stage import write_parquet
+    from optquant.files import write_parquet
 
     root = tmp_path_factory.mktemp("fuzz-files")
     sets = _nano_sets(corpus, steps=4)

@@ -98,6 +98,7 @@ SPECS_FOR_IDENTITY = [
     QuantSpec(3, "asym", "group", 16),
     QuantSpec(4, "odd", "group", 32),
     QuantSpec(4, "sym8", "tensor"),
+    QuantSpec(4, "full", "group", 32),  # llm-compressor's / torchao's int4 grid
     QuantSpec(format="mxfp4"),
     QuantSpec(format="nvfp4"),
 ]
@@ -123,7 +124,8 @@ def test_beats_rtn_on_correlated_inputs(group, act_order):
     assert e_gptq < (0.6 if act_order else 0.85) * e_rtn
 
 
-@pytest.mark.parametrize("spec", [QuantSpec(format="mxfp4"), QuantSpec(4, "asym", "group", 64)], ids=str)
+@pytest.mark.parametrize("spec", [QuantSpec(format="mxfp4"), QuantSpec(4, "asym", "group", 64),
+                                  QuantSpec(4, "full", "channel"), QuantSpec(4, "full", "group", 64)], ids=str)
 def test_beats_rtn_other_grids(spec):
     W, X, H = _layer(64, 128, 1024, seed=1)
     assert layer_error(X, W, gptq_quantize(W, H, spec)) < layer_error(X, W, fake_quant(W, spec))

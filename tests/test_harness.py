@@ -135,7 +135,7 @@ def test_lm_eval_local_task_equals_builtin_scorer(trained_run, corpus, tmp_path,
     assert r["acc,none"] == got["acc"] and r["acc_norm,none"] == got["acc_norm"]
 
 
-def test_ptq_eval_scores_fp_and_quantized_with_lm_eval(trained_run, local_task):
+def test_ptq_damage_scores_fp_and_quantized_with_lm_eval(trained_run, local_task):
     """The study's PTQ job with eval tasks: lm-eval's acc/acc_norm of the FP model and of its W4A4 copy, each
     equal to the built-in scorer on that model; the built-in task is not run; the result covers its request."""
     tasks, items = local_task
@@ -209,3 +209,54 @@ def test_study_with_a_local_lm_eval_task_reports_its_accuracy(corpus, local_task
     md = report_markdown(root)
     assert t.title in md and f"Δ acc_norm % ({LOCAL})" in md
     assert f"lm-eval tasks: {LOCAL}" in (root / "report" / "index.html").read_text()
+
+
+def _per_request(res) -> dict:
+    """{(doc_id, choice): log-likelihood} of a simple_evaluate(..., log_samples=True) result."""
+    return {(s["doc_id"], j): float(r[0][0]) for s in res["samples"][LOCAL] for j, r in enumerate(s["resps"])}
+
+
+def test_optquant_eval_equals_lm_eval_hf_on_the_export(nano_cfg, runs_cache, corpus, tmp_path, capsys):
+    """`lm_eval --model hf` (lm-eval's HFLM, its defaults) on `optquant export`'s folder and `optquant eval` on the
+    run give the same log-likelihood for every request: both condition on EOT (the exported tokenizer prepends it),
+    also for empty contexts (lm-eval's prefix token) and contexts ending in a space (moved to the continuation)."""
+    pytest.importorskip("accelerate", reason="lm_eval --model hf needs accelerate (in the eval extra)")
+    pytest.importorskip("transformers", reason="export needs the hf extra")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from optquant.config import apply_overrides
+    from optquant.runs import run_dir
+    from optquant.train import train
+
+    cfg = apply_overrides(nano_cfg, ["model.arch=llama", "model.n_kv_head=1"])
+    run = run_dir(runs_cache, cfg)
+    train(cfg, run)
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
+    items = write_items(corpus, tmp_path / "items.jsonl", n=30)
+    for it in items[:3]:  # empty contexts: lm-eval conditions the choice on its prefix token alone
+        it["context"] = ""
+    for it in items[3:6]:  # a trailing space: lm-eval moves it to the continuation
+        it["context"], it["choices"] = it["context"] + " ", [c.lstrip() for c in it["choices"]]
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(it) + "\n" for it in items))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / f"{LOCAL}.yaml").write_text(TASK.format(jsonl=tmp_path / "items.jsonl"))
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    common = dict(tasks=[LOCAL], task_manager=manager, num_fewshot=0, batch_size=1, bootstrap_iters=0,
+                  log_samples=True)
+    ref = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'hf'}", device="cpu", **common)
+    _, model = load_run_model(run)
+    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    ours = lm_eval.simple_evaluate(model=lm_eval_adapter(model, data.tokenizer, eot_id=data.eot_id), **common)
+    want, got = _per_request(ref), _per_request(ours)
+    assert len(want) == 4 * len(items) and got.keys() == want.keys()
+    assert max(abs(got[k] - want[k]) for k in want) < 1e-5
+    r, o = ref["results"][LOCAL], ours["results"][LOCAL]
+    assert (o["acc,none"], o["acc_norm,none"]) == (r["acc,none"], r["acc_norm,none"])
+    for source in ([str(run)], ["--hf", str(tmp_path / "hf")]):  # the CLI, on the run and on the export
+        out = tmp_path / "lm_eval.json"
+        assert main(["eval", *source, "--tasks", LOCAL, "--include-path", str(tasks), "--out", str(out)]) == 0
+        cli = json.loads(out.read_text())[LOCAL]
+        assert (cli["acc"], cli["acc_norm"]) == (r["acc,none"], r["acc_norm,none"])
+    capsys.readouterr()

@@ -149,6 +149,7 @@ def test_export_llama_run_matches_our_logits_and_tokenizer(llama_run, tmp_path, 
     data = load_tokens(cfg.data, cfg.model.vocab_size)
     text = (corpus / "doc000.txt").read_text()[:300]
     assert tok(text, add_special_tokens=False)["input_ids"] == data.tokenizer.encode(text).ids
+    assert tok(text)["input_ids"] == [data.eot_id, *data.tokenizer.encode(text).ids]  # by default after EOT
     assert tok.eos_token_id == data.eot_id and tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
 
 
@@ -162,3 +163,61 @@ def test_export_refuses_the_olmo2_variant(nano_cfg, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "matches no Hugging Face architecture exactly" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_a_bare_checkpoint_analyses_with_tokens_or_a_tokenizer_as_with_its_own(nano_cfg, runs_cache, corpus,
+                                                                                  tmp_path, capsys):
+    """An export with its tokenizer files deleted: `--tokens` (the very ids the folder's tokenizer gives: held-out
+    windows as .npy, calibration as text) and `--tokenizer` (the deleted file, kept elsewhere) give the same
+    analysis and damage as the folder with its tokenizer; a bare folder without either, or bad ids, is one line."""
+    import shutil
+
+    import numpy as np
+    from test_reliability import one_line_error
+
+    from optquant.config import apply_overrides
+    from optquant.data import DataConfig
+    from optquant.hf.ptq_stage import TRAIN_TOKENS_PER_SEQUENCE, HFSource, hf_tokens
+    from optquant.ptq_stage import AnalysisConfig
+    from optquant.runs import run_dir
+    from optquant.train import train
+
+    cfg = apply_overrides(nano_cfg, ["model.arch=llama", "model.n_kv_head=1"])
+    train(cfg, run_dir(runs_cache, cfg))
+    full, bare = tmp_path / "full", tmp_path / "bare"
+    assert main(["export", str(run_dir(runs_cache, cfg)), "--hf", str(full)]) == 0
+    shutil.copytree(full, bare)
+    (tmp_path / "tokenizer.json").write_bytes((bare / "tokenizer.json").read_bytes())
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / f).unlink()
+    data = hf_tokens(HFSource(full, DataConfig(source=str(corpus)), seq_len=32),
+                     TRAIN_TOKENS_PER_SEQUENCE * AnalysisConfig().gptq_sequences * 33)
+    np.save(tmp_path / "val.npy", data.val)
+    (tmp_path / "calib.txt").write_text(" ".join(map(str, data.train)))
+    text, ids = ["--data", str(corpus)], ["--tokens", str(tmp_path / "val.npy"), "--calib-tokens",
+                                          str(tmp_path / "calib.txt")]
+
+    def result(what: str, path, source: list[str], out: str) -> dict:
+        args = [what, "--hf", str(path), *source, "--seq-len", "32", "--mc-items", "0", "--out", str(tmp_path / out)]
+        assert main([*args, *(["--method", "gptq"] if what == "analyze" else [])]) == 0
+        file = "w4a4-gptq/analysis.json" if what == "analyze" else "w4a4-rtn/summary.json"
+        return json.loads((tmp_path / out / file).read_text())
+
+    for what in ("analyze", "ptq"):
+        want = result(what, full, text, "with")
+        assert result(what, bare, ids, "ids") == want
+        assert result(what, bare, [*text, "--tokenizer", str(tmp_path / "tokenizer.json")], "tok") == want
+    capsys.readouterr()
+    bad = tmp_path / "bad.txt"
+    for content, needle in (("", "cannot fill one window"), ("1 2 x", "not token ids"),
+                            ("5 320 " * 40, "outside [0, 320)"), ("-1 " * 40, "token id -1")):
+        bad.write_text(content)
+        assert main(["analyze", "--hf", str(bare), "--tokens", str(bad), "--seq-len", "32"]) == 2
+        one_line_error(capsys, str(bad), needle)
+    np.save(tmp_path / "2d.npy", data.val[:66].reshape(2, 33))
+    assert main(["analyze", "--hf", str(bare), "--tokens", str(tmp_path / "2d.npy"), "--seq-len", "32"]) == 2
+    one_line_error(capsys, "1-D array of integers")
+    assert main(["analyze", "--hf", str(bare), "--seq-len", "32"]) == 2
+    one_line_error(capsys, str(bare), "--tokenizer PATH or --tokens FILE")
+    assert main(["ptq", "--hf", str(bare), *ids[:2]]) == 2
+    one_line_error(capsys, "--mc-items 0")

@@ -82,8 +82,10 @@ def test_progress_without_a_terminal_prints_plain_timed_lines(tmp_path):
         (tmp_path / "costs.jsonl").write_text(json.dumps({"key": "r1", "stage": "fp", "optimizer": "adamw",
                                                          "size": "femto", "start": p.eta.start,
                                                          "end": p.eta.start + 1, "seconds": 1.0}) + "\n")
-        p.on_event({"event": "job", "stage": "fp sweep", "key": "r1", "result": {"final_val_loss": 5.5}})
-        p.on_event({"event": "job", "stage": "fp sweep", "key": "r2", "result": {"final_val_loss": 5.4}})
+        p.on_event({"event": "job", "stage": "fp sweep", "key": "r1", "job_stage": "fp",
+                    "result": {"final_val_loss": 5.5}})
+        p.on_event({"event": "job", "stage": "fp sweep", "key": "r2", "job_stage": "fp",
+                    "result": {"final_val_loss": 5.4}})
     finally:
         p.close()
     lines = out.getvalue().splitlines()

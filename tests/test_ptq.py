@@ -162,12 +162,12 @@ def test_layers_reading_one_input_share_a_hessian():
     torch.testing.assert_close(net.b.weight, gptq_quantize(Wb, H, QuantSpec()), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "llama"])
-def test_gptq_on_lm(arch):
+@pytest.mark.parametrize("arch,grid", [("olmo2", "sym"), ("llama", "sym"), ("llama", "full")])
+def test_gptq_on_lm(arch, grid):
     model, idx = _lm(arch=arch, tie_embeddings=arch == "olmo2")
     calib = torch.randint(0, 256, (8, 32))
     ref = model(idx)
-    cfg = PTQConfig(method="gptq", a_bits=16, n_calib=8, quantize_head=True, act_order=True)
+    cfg = PTQConfig(method="gptq", a_bits=16, n_calib=8, quantize_head=True, act_order=True, grid=grid)
     q = quantized_copy(model, cfg, calib)
     assert len(_quantized_names(q)) == len(linear_layers(model, skip=()))
     out = q(idx)
@@ -198,6 +198,8 @@ def test_config_names_and_validation():
     assert PTQConfig(method="gptq", a_bits=16, w_group_size=128, act_order=True).name == "w4a16-gptq-g128-ao"
     assert PTQConfig(format="nvfp4", grid="odd", quantize_head=True).name == "w4a4-rtn-nvfp4-head"
     assert PTQConfig(grid="sym8").name == "w4a4-rtn-sym8"
+    assert PTQConfig(grid="full").weight_spec.grid == PTQConfig(grid="full").act_spec.grid == "full"
+    assert {"w4a4-rtn-full", "w4a16-gptq-full-g128"} <= set(SCHEMES)  # like for like with llm-compressor / torchao
     assert all(c.name == k and PTQConfig(**asdict(c)) == c for k, c in SCHEMES.items())
     assert PTQConfig(format="mxfp4").weight_spec.block == 32
     for bad in (

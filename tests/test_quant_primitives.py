@@ -13,12 +13,12 @@ import torch
 
 from optquant.errors import OptquantError
 from optquant.quant import formats
-from optquant.quant.primitives import QuantSpec, fake_quant, grid_range, group_rows, quant_params
+from optquant.quant.primitives import QuantSpec, fake_quant, grid_range, group_rows, quant_params, round_to_grid
 
 INT_SPECS = [
     QuantSpec(bits, grid, gran, 32)
     for bits in (3, 4, 8)
-    for grid in ("sym", "sym8", "odd", "asym")
+    for grid in ("sym", "sym8", "full", "odd", "asym")
     for gran in ("tensor", "channel", "token", "group")
 ]
 FP4_SPECS = [QuantSpec(format="mxfp4"), QuantSpec(format="nvfp4")]
@@ -42,12 +42,13 @@ def test_levels_and_idempotence(spec):
     xq = fake_quant(x, spec)
     assert xq.shape == x.shape and xq.dtype == x.dtype
     assert _levels_per_group(xq, spec) <= 2**spec.bits
-    torch.testing.assert_close(fake_quant(xq, spec), xq, rtol=1e-6, atol=1e-7)
+    if spec.grid != "full":  # "full": x̂'s absmax is 7Δ or 8Δ, not 7.5Δ, so a second pass takes another scale
+        torch.testing.assert_close(fake_quant(xq, spec), xq, rtol=1e-6, atol=1e-7)
     rel = ((xq - x).norm() / x.norm()).item()
     assert 0 < rel < (0.05 if spec.bits == 8 else 2.0)
 
 
-@pytest.mark.parametrize("grid", ["sym", "sym8", "odd", "asym"])
+@pytest.mark.parametrize("grid", ["sym", "sym8", "full", "odd", "asym"])
 def test_finer_scales_and_more_bits_reduce_error(grid):
     x = _x((16, 256), seed=2)
 
@@ -99,6 +100,68 @@ def test_sym8_uses_both_ends():
     torch.testing.assert_close(xq[1], torch.tensor([-1.0, 0.875, 0.25, 0.0]))
     dense = fake_quant(torch.linspace(-1, 1, 1001)[None], QuantSpec(4, "sym8"))
     assert len(torch.unique(dense)) == 16
+
+
+def test_full_grid_closed_form():
+    """llm-compressor's and torchao's symmetric int: Δ = absmax/((q_max − q_min)/2), q = clamp(round(x/Δ), −8, 7)."""
+    x = torch.tensor([[-7.5, 7.5, 0.5, 1.5, -0.5, 2.5, -3.2, 6.9]])  # absmax 7.5: Δ = 1 exactly
+    assert [t.item() for t in quant_params(x, QuantSpec(4, "full"))] == [1.0, 0.0] and grid_range(4, "full") == (-8, 7)
+    # ties to even: −7.5 → −8, 7.5 → 8 clamps to 7, 0.5 → 0, 1.5 → 2, 2.5 → 2
+    want = torch.tensor([[-8.0, 7, 0, 2, 0, 2, -3, 7]])
+    torch.testing.assert_close(fake_quant(x, QuantSpec(4, "full")), want, rtol=0, atol=0)
+    x = _x()
+    for bits in (3, 4, 8):
+        spec = QuantSpec(bits, "full")
+        scale = quant_params(x, spec)[0]
+        assert torch.equal(scale, x.abs().amax(-1, keepdim=True) / (float(2**bits - 1) / 2))  # compressed-tensors
+        xq = fake_quant(x, spec)
+        q = (xq / scale).round()
+        assert q.min() >= -(2 ** (bits - 1)) and q.max() <= 2 ** (bits - 1) - 1
+        assert ((x - xq).abs() <= scale / 2 + 1e-6 * x.abs()).all()  # every entry is in range: error ≤ Δ/2
+    dense = fake_quant(torch.linspace(-1, 1, 1001, dtype=torch.float64)[None], QuantSpec(4, "full"))
+    assert len(torch.unique(dense)) == 16  # all levels: −1/Δ = −7.5 exactly in fp64, rounding to −8
+
+
+def test_full_grid_equals_compressed_tensors():
+    """Where compressed-tensors (llm-compressor's quantization library) is installed: bitwise its symmetric int4."""
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    W = _x((64, 256), seed=3)
+    for group in (0, 64):
+        args = ct.QuantizationArgs(num_bits=4, symmetric=True, strategy="group" if group else "channel",
+                                   group_size=group or None)
+        Wg = W.reshape(64, -1, group) if group else W
+        scale, zp = calculate_qparams(Wg.amin(-1), Wg.amax(-1), args)
+        ref = fake_quantize(W, scale, zp, args) if group else fake_quantize(W, scale[:, None], zp[:, None], args)
+        assert torch.equal(fake_quant(W, QuantSpec(4, "full", "group" if group else "channel", group or 128)), ref)
+
+
+def _fake_quant_fp32(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """fake_quant before it kept fp64, verbatim: every dtype computed in fp32."""
+    xf = x.float()
+    k = x.shape[-1]
+    rows = group_rows(xf, spec.block)
+    amax = xf.abs().amax() if spec.format == "nvfp4" else None
+    out = round_to_grid(rows, *quant_params(rows, spec, amax), spec)
+    if spec.block > 0:
+        out = out.reshape(-1, k + (-k % spec.block))[:, :k]
+    return out.reshape(x.shape).to(x.dtype)
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=str)
+def test_fp32_and_bf16_as_before_fp64_in_fp64(spec):
+    x = _x()
+    for dtype in (torch.float32, torch.bfloat16):  # the default study's dtypes: bitwise as before
+        assert torch.equal(fake_quant(x.to(dtype), spec), _fake_quant_fp32(x.to(dtype), spec))
+    x = x.double()
+    if spec.format == "int" and spec.grid in ("sym", "full") and spec.block == 0:
+        delta = x.abs().amax(-1, keepdim=True) / {"sym": 2 ** (spec.bits - 1) - 1, "full": 2 ** (spec.bits - 1) - 0.5}[
+            spec.grid]
+        want = (x / delta).round().clamp(*grid_range(spec.bits, spec.grid)) * delta  # the closed form, in fp64
+        assert torch.equal(fake_quant(x, spec), want)
+        assert not torch.equal(_fake_quant_fp32(x, spec), want)  # fp32 rounding: ~1e-8 relative off
 
 
 def test_odd_matches_authors_formula():

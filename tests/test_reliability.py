@@ -108,7 +108,7 @@ def test_corrupt_summary_is_an_error_not_a_result(done_run, tmp_path, capsys, co
 
 
 def test_json_results_never_hold_infinity(tmp_path):
-    from optquant.checkpoint import atomic_write_json
+    from optquant.files import atomic_write_json
 
     atomic_write_json(tmp_path / "best.json", {"adamw/nano": {"best_lr": 1e3, "edge": True, "loss": math.inf}})
 
@@ -151,6 +151,7 @@ def test_study_warns_when_no_lr_converged(nano_cfg, tmp_path):
     from optquant.config import apply_overrides
     from optquant.study.plan import Study, loss_of, warn_unconverged
     from optquant.study.spec import StudySpec
+    from optquant.study.tuning import LRSearch
 
     table = {}
     for opt in ("adamw", "soap"):
@@ -158,7 +159,7 @@ def test_study_warns_when_no_lr_converged(nano_cfg, tmp_path):
         per_lr = {float(lr): [train(apply_overrides(nano_cfg, [f"optim.name={opt}", f"optim.lr={lr}"]),
                                     tmp_path / f"{opt}-{lr}")] for lr in lrs}
         best = min(per_lr, key=lambda lr: loss_of(per_lr[lr][0]))
-        table[(opt, "nano")] = {"lrs": per_lr, "best": best, "best_loss": loss_of(per_lr[best][0])}
+        table[(opt, "nano")] = LRSearch(per_lr, best, "bracketed", "", loss_of(per_lr[best][0]))
     events = []
     messages = warn_unconverged(Study(StudySpec(), tmp_path, events.append), table)
     assert len(messages) == 1 and "soap" in messages[0] and "nano" in messages[0]
@@ -214,8 +215,8 @@ def test_bad_corpus_file_is_one_line_naming_it(tmp_path, capsys, name, content, 
 
 
 def _results_parquet(path: Path) -> Path:
-    """A results.parquet as the study writes it (analysis.write_parquet of a long table)."""
-    from optquant.ptq_stage import write_parquet
+    """A results.parquet as the study writes it (files.write_parquet of a long table)."""
+    from optquant.files import write_parquet
 
     df = pd.DataFrame({"size": ["nano"], "n_params": [1000], "optimizer": ["adamw"], "lr": [1e-3], "seed": [0],
                        "kind": ["fp"], "best_lr": [True], "run_id": ["r"], "scheme": ["none"],
@@ -337,7 +338,7 @@ def test_killed_checkpoint_write_leaves_no_temp_file(tmp_path):
     proc = _run_script(f"""
         import os, signal
         from pathlib import Path
-        from optquant.checkpoint import atomic_write
+        from optquant.files import atomic_write
 
         def die(tmp):
             Path(tmp).write_bytes(b"")  # the file exists, nothing in it yet
@@ -424,8 +425,10 @@ def test_workers_die_with_a_killed_study(nano_cfg, tmp_path):
 
     cfgs = [apply_overrides(nano_cfg, ["train.steps=100000", f"seed={s}"]) for s in (1, 2)]
     script = f"""
-        from optquant.study.executor import Job, run_local
-        jobs = [Job("train", str(i), {{"config": c, "run_dir": {str(tmp_path)!r} + f"/run{{i}}"}})
+        from optquant.config import from_dict
+        from optquant.study.executor import run_local
+        from optquant.study.jobs import TrainJob
+        jobs = [TrainJob(from_dict(c), {str(tmp_path)!r} + f"/run{{i}}")
                 for i, c in enumerate({[to_dict(c) for c in cfgs]!r})]
         for _ in run_local(jobs, 2):
             pass

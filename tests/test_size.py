@@ -20,7 +20,9 @@ from pathlib import Path
 # size searched, tied group ratios; report/design.py: what each claim needs; the Tuning table; the machine record)
 # added ~456. Issue 21 (files received from others: the study-spec validator, record checks on read, guarded
 # export, HF config/weights checks, plugin errors, O_NOFOLLOW writes) added 342. All four merged: budget 14,000.
-BUDGET = 14_000
+# The peer seams (lm-eval's own request encoding in the adapter; --tokenizer / --tokens for a checkpoint without
+# a tokenizer; llm-compressor's / torchao's int grid) added 91 (14,033): budget 14,040.
+BUDGET = 14_040
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

@@ -22,7 +22,8 @@ import pandas as pd
 import pytest
 
 from optquant.runs import read_metrics
-from optquant.study.executor import Job, execute
+from optquant.study.executor import execute
+from optquant.study.jobs import TrainJob
 from optquant.study.plan import run_study
 from optquant.study.results import TIMING, refit
 from optquant.study.spec import StudySpec, apply_study_overrides, lr_grid, study_preset
@@ -154,7 +155,7 @@ def test_submitit_local_executor_runs_train_jobs(nano_cfg, tmp_path, monkeypatch
     worker pool."""
     import submitit
 
-    from optquant.config import apply_overrides, to_dict
+    from optquant.config import apply_overrides
 
     real = submitit.AutoExecutor
 
@@ -164,8 +165,7 @@ def test_submitit_local_executor_runs_train_jobs(nano_cfg, tmp_path, monkeypatch
 
     chosen = cluster
     monkeypatch.setattr(submitit, "AutoExecutor", auto_executor)
-    jobs = [Job("train", f"r{i}", {"config": to_dict(apply_overrides(nano_cfg, [f"seed={i}", "train.steps=10"])),
-                                   "run_dir": str(tmp_path / f"r{i}")}) for i in range(2)]
+    jobs = [TrainJob(apply_overrides(nano_cfg, [f"seed={i}", "train.steps=10"]), tmp_path / f"r{i}") for i in range(2)]
     results = execute(jobs, "submitit-local", 1, tmp_path / "submitit")
     assert {k: v["status"] for k, v in results.items()} == {"r0": "done", "r1": "done"}
     assert results["r0"]["final_val_loss"] != results["r1"]["final_val_loss"]

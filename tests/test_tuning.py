@@ -11,7 +11,7 @@ from optquant.model import LM, count_params
 from optquant.optim import build_optimizers
 from optquant.study.bracket import bracket
 from optquant.study.spec import StudySpec, cpu, run_config
-from optquant.study.tuning import initial_ratios, losses, ratio_overrides, step_sizes, tune
+from optquant.study.tuning import initial_ratios, losses, ratio_settings, step_sizes, tune
 from optquant.train import build_model
 
 
@@ -64,7 +64,7 @@ def test_the_search_brackets_every_step_size_and_later_sizes_start_from_the_smal
         submitted.append((stage, list(cfgs.values())))
         return {tag: {"status": "done", "final_val_loss": _surface(c)} for tag, c in cfgs.items()}
 
-    found = tune(run, spec, lambda k, lr, r: run_config(spec, k[1], k[0], lr, 0, ratio_overrides(r)))
+    found = tune(run, spec, lambda k, lr, r: run_config(spec, k[1], k[0], lr, 0, ratio_settings(r)))
     for (opt, size), t in found.items():
         b = bracket(losses(t.lr_runs))
         assert b.status == "bracketed"
@@ -89,7 +89,7 @@ def test_without_group_tuning_the_ratios_are_not_searched():
         assert not stage.startswith("group")
         return {t: {"status": "done", "final_val_loss": 3 + math.log(c.optim.lr / 0.05) ** 2} for t, c in cfgs.items()}
 
-    found = tune(run, spec, lambda k, lr, r: run_config(spec, k[1], k[0], lr, 0, ratio_overrides(r)))
+    found = tune(run, spec, lambda k, lr, r: run_config(spec, k[1], k[0], lr, 0, ratio_settings(r)))
     assert found[("muon", "zepto")].ratios == {}
 
 

@@ -1,14 +1,10 @@
-"""Checkpoints and results written atomically, in safetensors (never pickle).
+"""Checkpoints and weights in safetensors (never pickle), and RNG states.
 
 A training checkpoint is ONE safetensors file: the model's tensors under `model.`, every nested tensor of
 the optimizer states and RNG states under `state.<n>`, and the non-tensor structure (numbers, strings,
-dict keys that are ints) as JSON in the file's metadata. One file means one atomic `os.replace`: a killed
-process leaves either the previous checkpoint or the new one, never half of each.
-
-A file is written in a temporary directory `.<name>.<host>.<pid>.<random>.tmp` beside its target, given
-the mode the umask asks for (never the 0600 of temp files), then renamed into place. A writer removes
-its temporary when it fails; one killed with SIGKILL leaves it, and the next write of the same target
-removes it (its pid is dead).
+dict keys that are ints) as JSON in the file's metadata. One file means one atomic `os.replace`
+(files.atomic_write): a killed process leaves either the previous checkpoint or the new one, never half
+of each.
 """
 
 from __future__ import annotations
@@ -18,9 +14,6 @@ import json
 import os
 import random
 import re
-import secrets
-import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -31,95 +24,16 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from optquant.errors import OptquantError
-from optquant.files import finite_json
+from optquant.files import atomic_write
 
 
-def _pid_alive(pid: int) -> bool:
+def _save_file(tensors: dict[str, Tensor], tmp: Path, metadata: dict[str, str]) -> None:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def remove_stale_temps(path: Path) -> None:
-    """Remove temporaries for `path` left by killed writers on this host (their pid no longer runs)."""
-    path = Path(path)
-    prefix = f".{path.name}.{socket.gethostname()}."
-    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-        rest = tmp.name[len(prefix):].split(".") if tmp.name.startswith(prefix) else []
-        if len(rest) == 3 and rest[0].isdigit() and not _pid_alive(int(rest[0])):
-            if tmp.is_dir():
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                tmp.unlink(missing_ok=True)
-
-
-def temp_path(path: Path) -> Path:
-    """A fresh temporary name beside `path` (not created); stale ones of dead writers are removed first."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(path)
-    return path.parent / f".{path.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-
-
-def umask() -> int:
-    """The process's umask, read without changing it where Linux allows (os.umask can only set it)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write(path: Path, write: Any) -> None:
-    """Call `write(tmp)` to create the file at `tmp`, then rename it over `path` atomically.
-
-    `tmp` lies in a private temporary directory beside `path`, so that whatever a writer (or a library
-    under it, like safetensors with its own temporaries) leaves on a kill is one directory with a name
-    the next write recognises and removes. The file gets mode 0o666 & ~umask, like any file the user
-    creates. The temporary is removed if anything fails; a full disk is reported as such, naming the file."""
-    path = Path(path)
-    tmp_dir = temp_path(path)
-    tmp_dir.mkdir()
-    tmp = tmp_dir / path.name
-    try:
-        try:
-            write(tmp)
-        except SafetensorError as e:  # safetensors wraps the OS error (e.g. ENOSPC) in its own type
-            code = re.search(r"(?:os error|code:) (\d+)", str(e))
-            code = int(code.group(1)) if code else errno.EIO
-            raise OSError(code, os.strerror(code), str(path)) from None
-        os.chmod(tmp, 0o666 & ~umask())
-        os.replace(tmp, path)
-    except OSError as e:
-        if e.filename is not None and str(tmp_dir) in str(e.filename):  # name the file the user knows
-            raise OSError(e.errno, e.strerror, str(path)) from None
-        raise
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-
-
-def _write_text(tmp: Path, text: str) -> None:
-    with open(tmp, "x") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda tmp: _write_text(tmp, text))
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    text = json.dumps(finite_json(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
-    atomic_write_text(path, text + "\n")
+        save_file(tensors, str(tmp), metadata=metadata)
+    except SafetensorError as e:  # safetensors wraps the OS error (e.g. ENOSPC) in its own type
+        code = re.search(r"(?:os error|code:) (\d+)", str(e))
+        code = int(code.group(1)) if code else errno.EIO
+        raise OSError(code, os.strerror(code), str(tmp)) from None
 
 
 def rng_state(generator: torch.Generator) -> dict[str, Any]:
@@ -189,7 +103,7 @@ def save_checkpoint(path: Path, model: nn.Module, state: dict[str, Any]) -> None
         raise OptquantError(f"{path}: {e} in the training state; an optimizer's state may hold only tensors, "
                             "numbers, strings, bools, None, lists and dicts") from None
     tensors.update({f"model.{k}": v for k, v in model_tensors(model).items()})
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"structure": json.dumps(structure)}))
+    atomic_write(path, lambda tmp: _save_file(tensors, tmp, {"structure": json.dumps(structure)}))
 
 
 def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -247,7 +161,7 @@ def _is_tied_alias(state: dict[str, Tensor], name: str, tensors: dict[str, Tenso
 def save_weights(path: Path, model: nn.Module, metadata: dict[str, str] | None = None) -> None:
     """The model's weights alone (final or CL model), atomically."""
     tensors = model_tensors(model)
-    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata or {}))
+    atomic_write(path, lambda tmp: _save_file(tensors, tmp, metadata or {}))
 
 
 def load_weights(path: Path, model: nn.Module) -> nn.Module:

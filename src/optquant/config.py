@@ -29,6 +29,7 @@ from optquant.files import read_text
 from optquant.model import MODEL_PRESETS, ModelConfig, model_config
 from optquant.optim import OPTIMIZERS, AdamWConfig, optimizer_config, optimizer_config_class
 from optquant.optim.plugin import PluginConfig, safe_name
+from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, UNIT, Range
 from optquant.quant.qat_config import QATConfig
 from optquant.quant.robust_config import RobustConfig
 from optquant.tracking import LogConfig
@@ -97,8 +98,11 @@ def run_preset(name: str) -> RunConfig:
 def config_hash(cfg: Any) -> str:
     """The run id's hash. Left out: `log` (where a run is logged), `preset` (a label) and `train.compile`
     (how it executes) are not which run it is, and run ids from before those settings existed stay valid;
-    so does `robust` with method "none" (the plain run, as before the section existed)."""
+    so does `robust` with method "none" (the plain run, as before the section existed). A renamed optimizer
+    field is hashed under its old name (the config's LEGACY_NAMES), so the rename kept every run id."""
     data = to_dict(cfg)
+    for new, old in getattr(getattr(cfg, "optim", None), "LEGACY_NAMES", {}).items():
+        data["optim"][old] = data["optim"].pop(new)
     if isinstance(cfg, RunConfig):
         data.pop("log", None)
         data.pop("preset", None)
@@ -160,27 +164,20 @@ def parse_value(value: str, tp: Any, path: str) -> Any:
 
 # --- validation: every field's type and range, checked whenever a config is built ----------------
 
-# (low, high, low inclusive, high inclusive) by field name; a `<section>.<field>` or `<optimizer>.<field>`
-# entry wins over the bare name. Fields not listed only have their type checked.
-_POS = (0.0, math.inf, False, False)
-_NONNEG = (0.0, math.inf, True, False)
-_ONE_UP = (1, math.inf, True, False)
-_UNIT = (0.0, 1.0, True, False)
-_RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    **dict.fromkeys(("lr", "adam_lr", "embed_lr", "vector_lr", "precondition_lr", "eps", "adam_eps", "scale",
-                     "rope_base", "init_std", "cl_threshold"), _POS),
-    **dict.fromkeys(("weight_decay", "adam_lr_ratio", "embed_lr_ratio", "vector_lr_ratio", "tokens_per_param",
-                     "steps", "diverge_factor", "split_seed", "cl_eval_every", "cl_eval_from"), _NONNEG),
-    **dict.fromkeys(("batch_size", "grad_accum", "eval_every", "eval_batches", "ns_steps", "precondition_frequency",
-                     "n_layer", "d_model", "n_head", "n_kv_head", "mlp_ratio", "max_size_triangular",
-                     "min_ndim_triangular", "max_preconditioner_dim", "max_precondition_dim"), _ONE_UP),
-    **dict.fromkeys(("momentum", "shampoo_beta", "warmup_frac", "decay_frac"), _UNIT),
-    **dict.fromkeys(("update_prob", "balance_prob", "scion.momentum"), (0.0, 1.0, False, True)),
+# (low, high, low inclusive, high inclusive) by field name (optim/ranges.py); a config's own RANGES (every
+# optimizer's) win, then a `<section>.<field>` entry, then the bare name. `lr` is every optimizer's peak
+# learning rate. Fields not listed only have their type checked.
+_RANGES: dict[str, Range] = {
+    **dict.fromkeys(("lr", "rope_base", "init_std", "cl_threshold"), POSITIVE),
+    **dict.fromkeys(("tokens_per_param", "steps", "diverge_factor", "split_seed", "cl_eval_every", "cl_eval_from"),
+                    NONNEG),
+    **dict.fromkeys(("batch_size", "grad_accum", "eval_every", "eval_batches", "n_layer", "d_model", "n_head",
+                     "n_kv_head", "mlp_ratio"), ONE_UP),
+    **dict.fromkeys(("warmup_frac", "decay_frac"), UNIT),
     "seed": (0, 2**31 - 1, True, True),  # numpy seeds must fit 32 bits; offsets are added to it
     "seq_len": (2, math.inf, True, False),
     "vocab_size": (257, 2**31 - 1, True, True),
-    "start_preconditioning_step": (-1, math.inf, True, False),
-    "robust.every": _ONE_UP,
+    "robust.every": ONE_UP,
 }
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 MAX_NAME = 128  # a run directory's name adds the optimizer and a hash; file names stop at 255 bytes
@@ -228,14 +225,15 @@ def _check_type(value: Any, tp: Any, path: str) -> None:
         raise OptquantError(f"{path}={value!r}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__}")
 
 
-def field_range(owner: str, section: str, name: str) -> tuple[float, float, bool, bool] | None:
-    """The (low, high, low inclusive, high inclusive) rule `validate` applies to field `name` of `section` (its
-    dotted path, "" at the top level) whose config is `owner` (the optimizer's name under optim, else the
-    section's name); None = its type only. docs/configuration.py documents every field with it."""
-    return next((_RANGES[k] for k in (f"{owner}.{name}", f"{section}.{name}", name) if k in _RANGES), None)
+def field_range(owner: type, section: str, name: str) -> Range | None:
+    """The rule `validate` applies to field `name` of config class `owner` at dotted `section` ("" at the top
+    level): the class's own RANGES (every optimizer's), then `<section>.<name>` or `name` in _RANGES; None = its
+    type only. docs/configuration.py documents every field's range with it."""
+    own = getattr(owner, "RANGES", {})
+    return own.get(name) or next((_RANGES[k] for k in (f"{section}.{name}", name) if k in _RANGES), None)
 
 
-def _check_range(value: Any, rule: tuple[float, float, bool, bool] | None, path: str) -> None:
+def _check_range(value: Any, rule: Range | None, path: str) -> None:
     if rule is None or value is None or isinstance(value, bool) or not isinstance(value, int | float):
         return
     lo, hi, lo_in, hi_in = rule
@@ -244,7 +242,7 @@ def _check_range(value: Any, rule: tuple[float, float, bool, bool] | None, path:
         raise OptquantError(f"{path}={value}: must be in {interval}")
 
 
-def _check_fields(obj: Any, section: str, owner: str) -> None:
+def _check_fields(obj: Any, section: str) -> None:
     for f in fields(obj):
         value, tp = getattr(obj, f.name), _field_types(type(obj))[f.name]
         path = f"{section}.{f.name}" if section else f.name
@@ -254,9 +252,9 @@ def _check_fields(obj: Any, section: str, owner: str) -> None:
         else:
             _check_type(value, tp, path)
         if is_dataclass(value):
-            _check_fields(value, path, getattr(value, "name", f.name) if f.name == "optim" else f.name)
+            _check_fields(value, path)
         else:
-            _check_range(value, field_range(owner, section, f.name), path)
+            _check_range(value, field_range(type(obj), section, f.name), path)
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -267,7 +265,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if isinstance(cfg.optim, PluginConfig) and math.isnan(cfg.optim.lr):
         raise OptquantError(f"optimizer plugin {cfg.optim.name!r} declares no default_lr: set optim.lr=... "
                             f"(in a study: lrs.{cfg.optim.name}=...)")
-    _check_fields(cfg, "", "")
+    _check_fields(cfg, "")
     if not _NAME.fullmatch(cfg.name) or len(cfg.name) > MAX_NAME:
         raise OptquantError(f"name={cfg.name[:40]!r}{'…' if len(cfg.name) > 40 else ''}: use at most {MAX_NAME} "
                             "letters, digits and . _ + - (it names the run directory)")
@@ -299,41 +297,81 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def set_field(cfg: Any, keys: list[str], value: str, path: str) -> Any:
-    """A copy of dataclass `cfg` with the field at `keys` (a dotted path, split) set to `value`, parsed."""
+def field_type(cfg: Any, keys: list[str], path: str) -> Any:
+    """The type of the field at `keys` (a dotted path, split) of dataclass `cfg`."""
     if not is_dataclass(cfg):
         raise OptquantError(f"--set {path}: {'.'.join(keys[:-1]) or path} has no fields")
-    key, types_ = keys[0], _field_types(type(cfg))
+    key, types_ = _current_name(type(cfg), keys[0]), _field_types(type(cfg))
     if key not in types_:
         known = ", ".join(f.name for f in fields(cfg))
         raise OptquantError(f"--set {path}: unknown field {key!r} (known: {known})")
     if len(keys) == 1:
-        return replace(cfg, **{key: parse_value(value, types_[key], path)})
-    return replace(cfg, **{key: set_field(getattr(cfg, key), keys[1:], value, path)})
+        return types_[key]
+    inner = getattr(cfg, key)
+    return field_type(QATConfig() if inner is None and key == "qat" else inner, keys[1:], path)
 
 
-def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
-    """Apply `a.b=value` overrides in order (optimizer and QAT switches first)."""
+def set_field(cfg: Any, keys: list[str], value: str, path: str) -> Any:
+    """A copy of dataclass `cfg` with the field at `keys` (a dotted path, split) set to `value`, parsed."""
+    return _set(cfg, keys, parse_value(value, field_type(cfg, keys, path), path))
+
+
+def _set(cfg: Any, keys: list[str], value: Any) -> Any:
+    key = _current_name(type(cfg), keys[0])
+    return replace(cfg, **{key: value if len(keys) == 1 else _set(getattr(cfg, key), keys[1:], value)})
+
+
+def _switched(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
+    """`cfg` with the switches of `values` applied: `optim.name` (that optimizer's defaults), `qat` (None
+    removes QAT) and a `qat.*` key (creates a QATConfig)."""
+    if "optim.name" in values:
+        cfg = replace(cfg, optim=optimizer_config(values["optim.name"]))
+    if "qat" in values:
+        if values["qat"] is not None:
+            raise OptquantError("--set qat=...: only qat=none; set qat.method=quest to enable QAT")
+        cfg = replace(cfg, qat=None)
+    if cfg.qat is None and any(k.startswith("qat.") for k in values):
+        cfg = replace(cfg, qat=QATConfig())
+    return cfg
+
+
+def override(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
+    """A copy of `cfg` with each dotted field of `values` set to its (typed) value, then validated: the
+    switches first (`optim.name`, `qat`: see `_switched`), then every other field."""
+    cfg = _switched(cfg, values)
+    for key, value in values.items():
+        if key not in ("optim.name", "qat"):
+            field_type(cfg, key.split("."), key)  # an unknown field is one error naming it
+            cfg = _set(cfg, key.split("."), tuple(value) if isinstance(value, list) else value)
+    return validate(cfg)
+
+
+def parse_overrides(cfg: RunConfig, overrides: list[str]) -> dict[str, Any]:
+    """`a.b=value` strings (--set, TOML, a study's settings) as {dotted key: value parsed by its field's type};
+    a key given twice keeps its last value."""
     pairs = []
     for item in overrides:
         if "=" not in item:
             raise OptquantError(f"--set {item}: expected key=value, e.g. optim.lr=3e-3")
         key, value = item.split("=", 1)
         pairs.append((key.strip(), value.strip()))
+    switches = {k: v for k, v in pairs if k in ("optim.name", "qat")}
+    if "qat" in switches:
+        if switches["qat"].lower() not in ("none", "off", "null"):
+            raise OptquantError("--set qat=...: only qat=none; set qat.method=quest to enable QAT")
+        switches["qat"] = None
+    shape = _switched(cfg, {**switches, **{k: None for k, _ in pairs if k.startswith("qat.")}})
+    values: dict[str, Any] = {}
     for key, value in pairs:
-        if key == "optim.name":
-            cfg = replace(cfg, optim=optimizer_config(value))
-        elif key == "qat":
-            if value.lower() not in ("none", "off", "null"):
-                raise OptquantError("--set qat=...: only qat=none; set qat.method=quest to enable QAT")
-            cfg = replace(cfg, qat=None)
-    for key, value in pairs:
-        if key in ("optim.name", "qat"):
-            continue
-        if key.startswith("qat.") and cfg.qat is None:
-            cfg = replace(cfg, qat=QATConfig())
-        cfg = set_field(cfg, key.split("."), value, key)
-    return validate(cfg)
+        values.pop(key, None)  # the last one wins, in its place
+        values[key] = switches[key] if key in switches else \
+            parse_value(value, field_type(shape, key.split("."), key), key)
+    return values
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply `a.b=value` overrides (optimizer and QAT switches first)."""
+    return override(cfg, parse_overrides(cfg, overrides))
 
 
 def _flatten_toml(table: dict, prefix: str = "") -> list[str]:
@@ -366,10 +404,18 @@ def resolve(preset: str | None, toml_path: Path | None, overrides: list[str]) ->
     return apply_overrides(cfg, toml_overrides + list(overrides))
 
 
+def _current_name(cls: type, key: str) -> str:
+    """A field's name now, for `key` that may be its old name (an optimizer config's LEGACY_NAMES)."""
+    return next((new for new, old in getattr(cls, "LEGACY_NAMES", {}).items() if old == key), key)
+
+
 def _build(cls: type, data: dict, path: str) -> Any:
     types_ = _field_types(cls)
     kwargs = {}
-    for key, value in data.items():
+    for given, value in data.items():
+        key = _current_name(cls, given)  # an old config.json spells a renamed field by its old name
+        if key != given and key in data:
+            raise OptquantError(f"{path}: both {key!r} and its old name {given!r}")
         if key not in types_:
             raise OptquantError(f"{path}: unknown field {key!r} for {cls.__name__}")
         tp = types_[key]

@@ -9,14 +9,14 @@
   (`optimizer_state_bytes`), and the activations saved for backward at the micro-batch;
 - GPU-hours on a named accelerator at its peak dense bf16 FLOP/s times an assumed MFU (both printed).
 
-The optimizer state is computed per parameter with the rules of the code that allocates it (each rule
-below names it), so `state_bytes` of a really built optimizer after a step matches it
-(tests/test_cost.py). Activations are an estimate (see `activation_bytes`); everything else is exact.
+The optimizer state is computed per parameter by the optimizer config's `state_bytes`, which follows the
+code that allocates it (each optimizer's file names it), so `state_bytes` of a really built optimizer
+after a step matches it (tests/test_cost.py). Activations are an estimate (see `activation_bytes`);
+everything else is exact.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -83,113 +83,13 @@ def split_gpu_overrides(overrides: list[str]) -> tuple[GPUConfig, list[str]]:
     return plan, rest
 
 
-# ----------------------------------------------------------------------------- optimizer state layouts
-def _adamw(shape, b: int, fused_step: bool = True) -> int:
-    """torch AdamW(fused=True): exp_avg, exp_avg_sq and a 0-d fp32 `step` tensor per parameter."""
-    return 2 * math.prod(shape) * b + (4 if fused_step else 0)
-
-
-def _momentum(shape, b: int) -> int:
-    """One momentum buffer like the parameter: torch.optim.Muon's per matrix, pytorch_optimizer.SCION's `d`."""
-    return math.prod(shape) * b
-
-
-def _kron(shape, b: int, cfg) -> int:
-    """pytorch_optimizer.Kron (`initialize_q_expressions`): a momentum buffer, and per dim a dense n×n
-    factor (the triangular Q, stored full) or, for a size-1 dim, a dim above `max_size_triangular`, a
-    tensor with fewer than `min_ndim_triangular` dims or a diagonal `memory_save_mode` dim, a diagonal n.
-    Factors are fp32 (`precondition_dtype`); a 0-d parameter has one scalar factor."""
-    total = math.prod(shape) * b
-    if not shape:
-        return total + 4
-    diag = [False] * len(shape)
-    mode = cfg.memory_save_mode
-    if mode == "one_diag":
-        diag[_np_argmax_last(shape)] = True
-    elif mode == "smart_one_diag":
-        s = sorted(shape)
-        if len(shape) >= 2 and s[-1] > s[-2]:
-            diag[_np_argmax_last(shape)] = True
-    elif mode == "all_diag":
-        diag = [True] * len(shape)
-    for n, d in zip(shape, diag, strict=True):
-        tri = not (n == 1 or n > cfg.max_size_triangular or len(shape) < cfg.min_ndim_triangular or d)
-        total += (n * n if tri else n) * 4
-    return total
-
-
-def _np_argmax_last(shape) -> int:
-    """`np.argsort(shape)[::-1][0]`: numpy's default quicksort is not stable, so ask numpy itself."""
-    import numpy as np
-
-    return int(np.argsort(shape)[::-1][0])
-
-
-def shampoo_blocks(shape: tuple[int, ...], max_dim: int) -> list[tuple[int, ...]]:
-    """The block shapes of `optim.shampoo.block_views`: size-1 dims squeezed, every dim cut into
-    chunks of at most `max_dim`."""
-    squeezed = [d for d in shape if d != 1] or [1]
-    blocks = [tuple(squeezed)]
-    for dim in range(len(squeezed)):
-        out = []
-        for blk in blocks:
-            n, rest = blk[dim], []
-            rest = [max_dim] * (n // max_dim) + ([n % max_dim] if n % max_dim else [])
-            out += [(*blk[:dim], m, *blk[dim + 1:]) for m in rest]
-        blocks = out
-    return blocks
-
-
-def _shampoo(shape, b: int, cfg) -> int:
-    """optim/shampoo.py `Shampoo._init_state`: per block and dim an n×n factor and an n×n root (fp32,
-    none for a squeezed 1-D parameter unless `precondition_1d`), plus the filtered gradient (β1 > 0),
-    Adam's grafting V (grafting="adam") and heavy-ball momentum (momentum > 0), each like the parameter."""
-    squeezed_1d = sum(d != 1 for d in shape) <= 1
-    total = 0
-    if cfg.precondition_1d or not squeezed_1d:
-        total += sum(2 * n * n * b for blk in shampoo_blocks(shape, cfg.max_preconditioner_dim) for n in blk)
-    copies = (cfg.beta1 > 0) + (cfg.grafting == "adam") + (cfg.momentum > 0)
-    return total + copies * math.prod(shape) * b
-
-
-def _soap(shape, b: int, cfg) -> int:
-    """pytorch_optimizer.SOAP (`init_pre_conditioner`, `get_orthogonal_matrix`): exp_avg and exp_avg_sq,
-    and per dim of the (optionally merged) shape an n×n factor GG and eigenbasis Q when n ≤
-    `max_precondition_dim` (a 1-D parameter only with `precondition_1d`); larger dims get neither."""
-    from pytorch_optimizer.optimizer.utils.shape import merge_small_dims
-
-    total = 2 * math.prod(shape) * b
-    if len(shape) == 1:
-        dims = list(shape) if cfg.precondition_1d else []
-    else:
-        dims = list(merge_small_dims(shape, cfg.max_precondition_dim)) if cfg.merge_dims else list(shape)
-    return total + sum(2 * n * n * b for n in dims if n <= cfg.max_precondition_dim)
-
-
+# ------------------------------------------------------------------------------------ optimizer state
 def optimizer_state_bytes(model: nn.Module, optim: Any) -> int:
     """Bytes of optimizer state `optim` (an optimizer config) allocates for `model` (any device, meta
-    included), after its first step."""
+    included), after its first step: each parameter's `optim.state_bytes` (optquant.optim)."""
     groups = split_params(model)
-    total = 0
-    for group, params in (("embeddings", groups.embeddings), ("vectors", groups.vectors),
-                          ("matrices", groups.matrices)):
-        for p in params:
-            shape, b = tuple(p.shape), p.element_size()
-            if optim.name == "adamw":
-                total += _adamw(shape, b)
-            elif optim.name == "muon":
-                total += _momentum(shape, b) if group == "matrices" else _adamw(shape, b)
-            elif optim.name == "scion":
-                total += _momentum(shape, b)
-            elif optim.name == "psgd":
-                total += _kron(shape, b, optim)
-            elif optim.name == "shampoo":
-                total += _shampoo(shape, b, optim)
-            elif optim.name == "soap":
-                total += _soap(shape, b, optim)
-            else:
-                raise OptquantError(f"no state layout for optimizer {optim.name!r}")
-    return total
+    return sum(optim.state_bytes(tuple(p.shape), p.element_size(), group)
+               for group in ("embeddings", "vectors", "matrices") for p in getattr(groups, group))
 
 
 # ------------------------------------------------------------------------------------------ activations
@@ -293,20 +193,17 @@ def _fix(cfg, plan: GPUConfig, model: nn.Module, b: RunCost) -> str:
         for accum in range(tc.grad_accum + 1, per_gpu + 1):
             if per_gpu % accum == 0 and fixed + activation_bytes(cfg, per_gpu // accum, bf16) <= acc.memory:
                 return f"train.grad_accum={accum} (micro-batch {per_gpu // accum})"
-    caps = {"psgd": "max_size_triangular", "soap": "max_precondition_dim", "shampoo": "max_preconditioner_dim"}
-    key = caps.get(cfg.optim.name)
-    if key is not None:
+    if hasattr(cfg.optim, "max_precondition_dim"):  # an optimizer with a preconditioner size cap
         act1 = activation_bytes(cfg, 1, bf16)
-        cap = getattr(cfg.optim, key)
+        cap = cfg.optim.max_precondition_dim
         while cap > 128:
             cap //= 2
-            trial = replace(cfg, optim=replace(cfg.optim, **{key: cap}))
-            need = 2 * b.weights + optimizer_state_bytes(model, trial.optim)
+            need = 2 * b.weights + optimizer_state_bytes(model, replace(cfg.optim, max_precondition_dim=cap))
             if need + act1 <= acc.memory:
                 accum = next(a for a in range(tc.grad_accum, per_gpu + 1) if per_gpu % a == 0 and need
                              + activation_bytes(cfg, per_gpu // a, bf16) <= acc.memory)
                 extra = f" and train.grad_accum={accum}" if accum != tc.grad_accum else ""
-                return f"optim.{key}={cap}{extra}"
+                return f"optim.max_precondition_dim={cap}{extra}"
     return f"nothing on one {acc.name}: weights, gradients and optimizer state alone need {gb(fixed)}"
 
 

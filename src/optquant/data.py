@@ -44,8 +44,8 @@ import tokenizers
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from optquant.checkpoint import temp_path
 from optquant.errors import OptquantError
+from optquant.files import temp_path
 
 log = logging.getLogger(__name__)
 

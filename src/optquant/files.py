@@ -1,5 +1,10 @@
-"""Reading the files a run or study leaves behind, and the user's TOML: a damaged file is one error naming
-it, never a traceback.
+"""Reading and writing the files a run or study leaves behind, and reading the user's TOML: a damaged file is
+one error naming it, never a traceback; every write is atomic.
+
+A file is written in a temporary directory `.<name>.<host>.<pid>.<random>.tmp` beside its target, given
+the mode the umask asks for (never the 0600 of temp files), then renamed into place. A writer removes
+its temporary when it fails; one killed with SIGKILL leaves it, and the next write of the same target
+removes it (its pid is dead).
 
 Light on imports (no torch; pandas only for parquet) so that the report and the config can use it.
 """
@@ -10,6 +15,9 @@ import errno
 import json
 import math
 import os
+import secrets
+import shutil
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,3 +137,91 @@ def parse_metrics(path: Path) -> list[dict[str, Any]]:
                      "; delete the run directory to retrain", finite=False)  # a diverged run logs inf
         records.append(record)
     return records
+
+
+# ---- atomic writes
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temps(path: Path) -> None:
+    """Remove temporaries for `path` left by killed writers on this host (their pid no longer runs)."""
+    path = Path(path)
+    prefix = f".{path.name}.{socket.gethostname()}."
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        rest = tmp.name[len(prefix):].split(".") if tmp.name.startswith(prefix) else []
+        if len(rest) == 3 and rest[0].isdigit() and not _pid_alive(int(rest[0])):
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+
+
+def temp_path(path: Path) -> Path:
+    """A fresh temporary name beside `path` (not created); stale ones of dead writers are removed first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path)
+    return path.parent / f".{path.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux allows (os.umask can only set it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call `write(tmp)` to create the file at `tmp`, then rename it over `path` atomically.
+
+    `tmp` lies in a private temporary directory beside `path`, so that whatever a writer (or a library
+    under it, like safetensors with its own temporaries) leaves on a kill is one directory with a name
+    the next write recognises and removes. The file gets mode 0o666 & ~umask, like any file the user
+    creates. The temporary is removed if anything fails; a full disk is reported as such, naming the file."""
+    path = Path(path)
+    tmp_dir = temp_path(path)
+    tmp_dir.mkdir()
+    tmp = tmp_dir / path.name
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~umask())
+        os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is not None and str(tmp_dir) in str(e.filename):  # name the file the user knows
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _write_text(tmp: Path, text: str) -> None:
+    with open(tmp, "x") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda tmp: _write_text(tmp, text))
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    text = json.dumps(finite_json(obj), indent=2, sort_keys=True, default=str, allow_nan=False)
+    atomic_write_text(path, text + "\n")
+
+
+def write_parquet(path: Path, df: pd.DataFrame) -> None:
+    atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))

@@ -23,24 +23,20 @@ import pandas as pd
 import torch
 from torch import nn
 
-from optquant.checkpoint import atomic_write, atomic_write_json, load_weights
+from optquant.checkpoint import load_weights
 from optquant.config import RunConfig
 from optquant.data import fixed_batches, load_tokens
 from optquant.errors import OptquantError
 from optquant.evaluate import MCConfig, mc_eval, val_loss
-from optquant.files import NUMBER, check_record, finite_json, read_json
+from optquant.files import NUMBER, atomic_write_json, check_record, finite_json, read_json, write_parquet
 from optquant.harness import HarnessConfig
 from optquant.metrics.outliers import aggregate, outlier_metrics
 from optquant.metrics.propagation import PropagationConfig, propagation, ptq_pair
 from optquant.quant.ptq import SCHEMES, PTQConfig
-from optquant.runs import read_config
+from optquant.runs import PTQ_FILES, RunDir, Weights, read_config
 from optquant.train import build_model
 
 log = logging.getLogger(__name__)
-
-Weights = Literal["final", "cl"]
-WEIGHT_FILES = {"final": "model.safetensors", "cl": "cl_model.safetensors"}
-
 
 @dataclass(frozen=True)
 class AnalysisConfig:
@@ -62,7 +58,7 @@ def scheme_config(name: str) -> PTQConfig:
 
 def load_run_model(run_dir: Path, weights: Weights = "final") -> tuple[RunConfig, nn.Module]:
     cfg = read_config(run_dir)
-    path = Path(run_dir) / WEIGHT_FILES[weights]
+    path = RunDir(run_dir).weights(weights)
     if not path.exists():
         what = "no Common Loss checkpoint (train with train.cl_threshold)" if weights == "cl" else \
             "no final weights (the run is not done or diverged)"
@@ -109,7 +105,7 @@ def mc_config(cfg: RunConfig, acfg: AnalysisConfig) -> MCConfig:
 
 
 def out_dir(run_dir: Path, acfg: AnalysisConfig, scheme: str) -> Path:
-    return Path(run_dir) / "ptq" / acfg.weights / scheme
+    return RunDir(run_dir).ptq(acfg.weights, scheme)
 
 
 def ptq_damage(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisConfig(),
@@ -149,7 +145,7 @@ def model_damage(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out_path
     if acfg.harness.tasks:
         out["harness"] = dataclasses.asdict(acfg.harness)
         out["tasks"] = harness_scores(fp, q, data, acfg.harness)
-    atomic_write_json(out_path / "summary.json", out)
+    atomic_write_json(out_path / PTQ_FILES["damage"], out)
     return out
 
 
@@ -190,18 +186,18 @@ def model_analysis(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out: P
     layers = outlier_metrics(model, calib, skip=skip)
     fp, q = run.pair(qcfg, acfg)
     rows, summary = propagation(fp, q, calib, PropagationConfig(granularity=acfg.granularity, skip=skip))
-    write_parquet(out / "outliers.parquet", pd.DataFrame([dataclasses.asdict(r) for r in layers]))
-    write_parquet(out / "propagation.parquet", pd.DataFrame([dataclasses.asdict(r) for r in rows]))
+    write_parquet(out / PTQ_FILES["outliers"], pd.DataFrame([dataclasses.asdict(r) for r in layers]))
+    write_parquet(out / PTQ_FILES["propagation"], pd.DataFrame([dataclasses.asdict(r) for r in rows]))
     result = {"scheme": qcfg.name, "weights": acfg.weights, **aggregate(layers),
               **{k: v for k, v in dataclasses.asdict(summary).items() if k != "norm"}}
     result = finite_json(result)  # NaN as null, as the file will hold it
-    atomic_write_json(out / "analysis.json", result)
+    atomic_write_json(out / PTQ_FILES["analysis"], result)
     return result
 
 
 def fp_outliers(run_dir: Path, acfg: AnalysisConfig = AnalysisConfig()) -> dict[str, Any]:
     """Model-level outlier metrics of a run's FP model alone (for MMR vs learning rate)."""
-    path = Path(run_dir) / "ptq" / acfg.weights / "outliers.json"
+    path = RunDir(run_dir).outliers(acfg.weights)
     if path.exists():
         return read_json(path)
     cfg, model = load_run_model(run_dir, acfg.weights)
@@ -218,19 +214,15 @@ def _gptq_calib(cfg: RunConfig, data, acfg: AnalysisConfig) -> torch.Tensor:
     return torch.cat([x for x, _ in batches])[: acfg.gptq_sequences]
 
 
-def write_parquet(path: Path, df: pd.DataFrame) -> None:
-    atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
-
-
-def read_result(run_dir: Path, acfg: AnalysisConfig, scheme: str, what: str) -> dict | None:
-    """A PTQ job's summary.json or analysis.json, checked for the types ptq_damage/ptq_analysis write, or None."""
-    path = out_dir(run_dir, acfg, scheme) / what
+def read_result(run_dir: Path, acfg: AnalysisConfig, scheme: str, what: Literal["damage", "analysis"]) -> dict | None:
+    """A PTQ job's damage (summary.json) or analysis, checked for the types ptq_damage/ptq_analysis write, or None."""
+    path = RunDir(run_dir).ptq_file(acfg.weights, scheme, what)
     if not path.exists():
         return None
     record, redo = read_json(path), f"; delete {path.parent} to redo it"
     if not isinstance(record, dict):
         raise OptquantError(f"{path}: not an optquant PTQ result (a JSON object){redo}")
-    numbers = [k for k in record if k.startswith(("val_loss_", "mc_acc", "delta_")) or what == "analysis.json"]
+    numbers = [k for k in record if k.startswith(("val_loss_", "mc_acc", "delta_")) or what == "analysis"]
     check_record(path, record, {**dict.fromkeys(numbers, (*NUMBER, type(None))), "scheme": (str,),
                                 "weights": (str,)}, redo, finite=False)
     return record

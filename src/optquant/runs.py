@@ -1,13 +1,20 @@
-"""Run records: a run is a directory named from its config hash.
+"""Run records: a run is a directory named from its config hash, laid out by `RunDir` alone (torch-free
+at import, so that the report can read runs without loading torch).
 
     <root>/<name>-<optimizer>-<hash>/
       config.json       the resolved config + package version, git commit, torch version
       metrics.jsonl     one line per evaluation
       checkpoint.safetensors  model + optimizer + RNG + data position (for exact resume)
+      history/step<N>.safetensors  the checkpoint of every evaluation, with train.keep_history
       cl_model.safetensors    the model that first reached the Common Loss threshold, if asked
       model.safetensors the final weights
       summary.json      written last and atomically: its presence means the run is done
-      .lock             one writer at a time (fcntl, released when its process dies); holds who has it
+      ptq/<weights>/<scheme>/  one PTQ scheme on the final or Common-Loss weights: summary.json (damage),
+                        analysis.json, outliers.parquet and propagation.parquet (outliers and ABC)
+      ptq/<weights>/outliers.json  the FP model's outliers alone
+      lm_eval.json      `optquant eval`'s lm-eval scores
+      .lock             one writer at a time (fcntl, released when its process dies); holds who has it;
+                        a PTQ directory (and ptq/, for outliers.json) has its own
 """
 
 from __future__ import annotations
@@ -23,16 +30,24 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 import optquant
-from optquant.checkpoint import atomic_write_json, atomic_write_text
-from optquant.config import RunConfig, from_dict, run_id, to_dict
 from optquant.errors import OptquantError
-from optquant.files import NUMBER, check_record, open_nofollow, parse_metrics, read_json
+from optquant.files import (
+    NUMBER,
+    atomic_write_json,
+    atomic_write_text,
+    check_record,
+    open_nofollow,
+    parse_metrics,
+    read_json,
+)
+
+if TYPE_CHECKING:
+    from optquant.config import RunConfig
 
 # A finished run's loss is a cross-entropy in nats: a uniform guess over a 2^31-token vocabulary is 21.5, and a run
 # far above its start is marked diverged; anything above this bound in a "done" summary is damage.
@@ -49,6 +64,60 @@ SUMMARY_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
+Weights = Literal["final", "cl"]
+WEIGHT_FILES: dict[str, str] = {"final": "model.safetensors", "cl": "cl_model.safetensors"}
+PTQ_FILES = {"damage": "summary.json", "analysis": "analysis.json", "outliers": "outliers.parquet",
+             "propagation": "propagation.parquet"}
+LOCK = ".lock"
+
+
+def _file(name: str) -> property:
+    return property(lambda self: self.path / name)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every path inside one run directory (the layout above); no other module spells one."""
+
+    path: Path
+    config = _file("config.json")
+    metrics = _file("metrics.jsonl")
+    summary = _file("summary.json")
+    checkpoint = _file("checkpoint.safetensors")
+    history = _file("history")
+    lm_eval = _file("lm_eval.json")  # `optquant eval`'s lm-eval scores of the run (its default output)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def history_checkpoint(self, step: int) -> Path:
+        """The checkpoint a run with train.keep_history wrote at evaluation `step`."""
+        return self.history / f"step{step:08d}.safetensors"
+
+    def weights(self, kind: Weights) -> Path:
+        return self.path / WEIGHT_FILES[kind]
+
+    def ptq(self, weights: Weights | None = None, scheme: str | None = None) -> Path:
+        """ptq/, ptq/<weights>/ or ptq/<weights>/<scheme>/ (a PTQ job's directory)."""
+        return self.path.joinpath("ptq", *(p for p in (weights, scheme) if p))
+
+    def ptq_file(self, weights: Weights, scheme: str, what: str) -> Path:
+        """One PTQ result: `what` is "damage", "analysis", "outliers" or "propagation" (PTQ_FILES)."""
+        return self.ptq(weights, scheme) / PTQ_FILES[what]
+
+    def outliers(self, weights: Weights = "final") -> Path:
+        """The FP model's outliers alone (an outlier job's result)."""
+        return self.ptq(weights) / "outliers.json"
+
+    def is_run(self) -> bool:
+        """Whether the directory holds a run's files (a trained or training run)."""
+        return any(p.exists() for p in (self.summary, self.metrics, self.checkpoint, self.path / LOCK))
+
+
 @functools.lru_cache(maxsize=1)
 def git_commit() -> dict[str, Any]:
     root = Path(__file__).resolve().parent
@@ -63,25 +132,34 @@ def git_commit() -> dict[str, Any]:
 
 
 def run_dir(root: Path, cfg: RunConfig) -> Path:
+    from optquant.config import run_id
+
     return Path(root) / run_id(cfg)
 
 
 def write_config(path: Path, cfg: RunConfig) -> None:
+    import torch
+
+    from optquant.config import to_dict
+
     record = {"config": to_dict(cfg), "optquant_version": optquant.__version__,
               "torch_version": torch.__version__, **git_commit()}
-    atomic_write_json(Path(path) / "config.json", record)
+    atomic_write_json(RunDir(path).config, record)
 
 
 def read_config(path: Path) -> RunConfig:
-    record = read_json(Path(path) / "config.json")
+    from optquant.config import from_dict
+
+    file = RunDir(path).config
+    record = read_json(file)
     if not isinstance(record, dict) or "config" not in record:
-        raise OptquantError(f"{path}/config.json: not an optquant run record")
-    return from_dict(record["config"], f"{path}/config.json")
+        raise OptquantError(f"{file}: not an optquant run record")
+    return from_dict(record["config"], str(file))
 
 
 def read_summary(path: Path) -> dict[str, Any] | None:
     """A finished run's summary, or None; a damaged summary.json is an error (never shown as a result)."""
-    summary = Path(path) / "summary.json"
+    summary = RunDir(path).summary
     if not summary.exists():
         return None
     redo = f"; delete the run directory {Path(path)} (or train it with --force) to redo it"
@@ -99,7 +177,7 @@ def read_summary(path: Path) -> dict[str, Any] | None:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return parse_metrics(Path(path) / "metrics.jsonl")
+    return parse_metrics(RunDir(path).metrics)
 
 
 def _holder(fd: int) -> str:
@@ -119,7 +197,7 @@ def locked(path: Path, wait: bool = True) -> Iterator[None]:
     path = Path(path)
     created = [d for d in (path, *path.parents) if not d.exists()]  # innermost first
     path.mkdir(parents=True, exist_ok=True)
-    lock = path / ".lock"
+    lock = path / LOCK
     fd = open_nofollow(lock, os.O_RDWR | os.O_CREAT)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -136,8 +214,8 @@ def locked(path: Path, wait: bool = True) -> Iterator[None]:
         try:
             yield
         except OptquantError:
-            if created and {p.name for p in path.iterdir()} <= {".lock", "config.json"}:  # not trained: no trace
-                (path / "config.json").unlink(missing_ok=True)
+            if created and {p.name for p in path.iterdir()} <= {LOCK, RunDir(path).config.name}:  # no trace
+                RunDir(path).config.unlink(missing_ok=True)
                 lock.unlink(missing_ok=True)
                 for d in created:
                     with contextlib.suppress(OSError):

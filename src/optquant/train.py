@@ -34,23 +34,16 @@ import torch
 from torch import nn
 
 from optquant import distributed as dist
-from optquant.checkpoint import (
-    atomic_write_json,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    save_weights,
-    set_rng_state,
-)
+from optquant.checkpoint import load_checkpoint, rng_state, save_checkpoint, save_weights, set_rng_state
 from optquant.config import RunConfig, TrainConfig, to_dict, validate
 from optquant.data import check_enough, fixed_batches, get_batch, load_tokens
 from optquant.device import use_bf16
 from optquant.errors import OptquantError
 from optquant.evaluate import val_loss
-from optquant.files import open_nofollow
+from optquant.files import atomic_write_json, open_nofollow
 from optquant.model import LM, count_params, lm_loss
 from optquant.optim import build_optimizers, ns_dtype, state_bytes
-from optquant.runs import read_summary, truncate_metrics, write_config
+from optquant.runs import RunDir, read_summary, truncate_metrics, write_config
 from optquant.tracking import Tracker, open_tracker
 
 log = logging.getLogger(__name__)
@@ -131,7 +124,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     steps, tc = r.steps, cfg.train
     state = _resume(r)
     if ctx.rank == 0:
-        truncate_metrics(run_dir / "metrics.jsonl", state["step"])
+        truncate_metrics(RunDir(run_dir).metrics, state["step"])
     if tc.keep_history and state["step"] == 0:  # the start, for a crossing at the first evaluation
         _checkpoint(r, state, ctx.gather(rng_state(r.gen)), keep=True)
     ended = None  # (step, reason) when the run diverges
@@ -203,7 +196,7 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
         robust = Robust(cfg.robust, model, steps, ctx.world_size)
     return _Loop(cfg, run_dir, ctx, model, ddp_model, run_model, eval_model, optimizers, data.train, val, gen,
                  tracker, steps, use_bf16(tc.precision, ctx.device),
-                 tc.diverge_factor * math.log(cfg.model.vocab_size), run_dir / "checkpoint.safetensors", robust)
+                 tc.diverge_factor * math.log(cfg.model.vocab_size), RunDir(run_dir).checkpoint, robust)
 
 
 def _micro(cfg: RunConfig, ctx: dist.Context) -> int:
@@ -282,7 +275,7 @@ def _evaluate_and_checkpoint(r: _Loop, state: dict, loss: float, mult: float) ->
     if ctx.rank == 0:
         r.tracker.record("eval", step, _eval_record(r.run_dir, cfg, state, loss, mult, val))
         if crossed:
-            save_weights(r.run_dir / "cl_model.safetensors", r.model, {
+            save_weights(RunDir(r.run_dir).weights("cl"), r.model, {
                 "step": str(step), "val_loss": repr(val), "threshold": repr(threshold)})
     if _regular(cfg.train, state, r.steps):
         _checkpoint(r, state, rngs, keep=cfg.train.keep_history)
@@ -305,9 +298,9 @@ def _finish(r: _Loop, state: dict, ended: tuple[int, str] | None) -> dict[str, A
     summary = _summarise(r, state, ended)
     if r.ctx.rank == 0:
         if ended is None:
-            save_weights(r.run_dir / "model.safetensors", r.model)
+            save_weights(RunDir(r.run_dir).weights("final"), r.model)
         _add_qat_degradation(summary, r.cfg, r.run_dir)
-        atomic_write_json(r.run_dir / "summary.json", summary)
+        atomic_write_json(RunDir(r.run_dir).summary, summary)
         r.ckpt.unlink(missing_ok=True)
     r.tracker.record("summary", state["step"], summary)
     r.tracker.close()
@@ -345,19 +338,11 @@ def _near_cl(tc: TrainConfig, state: dict) -> bool:
             and state["step"] >= tc.cl_eval_from and state["step"] % tc.cl_eval_every == 0)
 
 
-HISTORY = "history"
-
-
-def history_checkpoint(run_dir: Path, step: int) -> Path:
-    """The checkpoint a run with train.keep_history wrote at evaluation `step` (see _keep)."""
-    return Path(run_dir) / HISTORY / f"step{step:08d}.safetensors"
-
-
 def _keep(ckpt: Path, run_dir: Path, step: int) -> None:
     """Keep this evaluation's checkpoint (a hard link: free; the next save replaces `ckpt`'s inode), so a
     later Common-Loss run can start from the last evaluation before its crossing instead of replaying
     the whole run: the run is deterministic, so resuming from it is the same as replaying it."""
-    path = history_checkpoint(run_dir, step)
+    path = RunDir(run_dir).history_checkpoint(step)
     path.parent.mkdir(exist_ok=True)
     path.unlink(missing_ok=True)
     try:
@@ -394,7 +379,7 @@ def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: 
                  val_loss: float) -> dict:
     record = {"step": state["step"], "train_loss": loss, "val_loss": val_loss,
               "lr": cfg.optim.lr * mult, "tokens": state["step"] * cfg.train.batch_size * cfg.model.seq_len}
-    with os.fdopen(open_nofollow(run_dir / "metrics.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
+    with os.fdopen(open_nofollow(RunDir(run_dir).metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
         f.write(json.dumps(record) + "\n")
     return record
 

@@ -15,24 +15,25 @@ def add_parsers(sub) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from optquant.checkpoint import atomic_write_json
+    from optquant.files import atomic_write_json
     from optquant.harness import lm_eval_tasks
+    from optquant.runs import RunDir
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    model, tok, eot = _load_model(args.run_dir, args.hf, args.weights)
-    result = lm_eval_tasks(model, tok, eot, tasks, include_path=args.include_path, limit=args.limit)
+    model, tok, eot, prefix = _load_model(args.run_dir, args.hf, args.weights)
+    result = lm_eval_tasks(model, tok, eot, tasks, include_path=args.include_path, limit=args.limit, prefix_id=prefix)
     for task, r in result.items():
         print(f"{task:20s} acc={r['acc']:.4f}±{r['acc_stderr'] or 0:.4f}  "
               f"acc_norm={r['acc_norm']:.4f}±{r['acc_norm_stderr'] or 0:.4f}  (n={r['n']})")
-    out = args.out or (args.run_dir / "lm_eval.json" if args.run_dir else Path("hf-analysis") /
-                       args.hf.resolve().name / "lm_eval.json")
+    out = args.out or (RunDir(args.run_dir).lm_eval if args.run_dir else Path("hf-analysis") /
+                       args.hf.resolve().name / RunDir(args.hf).lm_eval.name)
     atomic_write_json(out, result)
     print(f"written: {out}")
     return 0
 
 
 def _load_model(run_dir: Path | None, hf: Path | None, weights: str = "final", seq_len: int = 2048):
-    """(model, tokenizers.Tokenizer, eos id) of a run or of an HF folder."""
+    """(model, tokenizers.Tokenizer, EOS id, lm-eval's prefix id: None for a run, see harness.lm_eval_adapter)."""
     if (run_dir is None) == (hf is None):
         raise OptquantError("eval: give a run directory or --hf PATH (one of them)")
     if hf is not None:
@@ -44,7 +45,7 @@ def _load_model(run_dir: Path | None, hf: Path | None, weights: str = "final", s
 
     cfg, model = load_run_model(run_dir, weights)
     data = load_tokens(cfg.data, cfg.model.vocab_size)
-    return model, data.tokenizer, data.eot_id
+    return model, data.tokenizer, data.eot_id, None
 
 
 def _add_eval_parser(sub) -> None:

@@ -29,8 +29,9 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--w-bits", type=int, default=4, help="weight bits (16 = not quantized)")
     p.add_argument("--a-bits", type=int, default=4, help="activation bits (16 = weight-only)")
     p.add_argument("--format", choices=["int", "mxfp4", "nvfp4"], default="int")
-    p.add_argument("--grid", choices=["sym", "sym8", "odd", "asym"], default="sym",
-                   help="integer grid: sym [-7,7] (default), sym8 [-8,7], odd (16 levels, no zero), asym")
+    p.add_argument("--grid", choices=["sym", "sym8", "full", "odd", "asym"], default="sym",
+                   help="integer grid: sym [-7,7], scale absmax/7 (default, the paper's); sym8 [-8,7] (llama.cpp "
+                   "Q4_0); full [-8,7], scale absmax/7.5 (llm-compressor, torchao); odd (16 levels, no zero); asym")
     p.add_argument("--group-size", type=int, default=0, help="weight group size (0 = per output channel)")
     p.add_argument("--rotation", choices=["none", "hadamard"], default="none")
     p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian")
@@ -47,6 +48,12 @@ def _add_hf_flags(p: argparse.ArgumentParser) -> None:
                    "(Llama, Mistral, Qwen2, Qwen3, OLMo2) instead of a run; nothing is downloaded")
     g.add_argument("--data", default="embedded", metavar="SRC", help="with --hf: the text to evaluate on, "
                    "encoded with the folder's tokenizer (default: the embedded corpus; or .txt/.jsonl/.parquet)")
+    g.add_argument("--tokenizer", type=Path, metavar="PATH", help="with --hf: a tokenizer folder or tokenizer.json "
+                   "for a checkpoint without one (EOS: its own, else config.json's eos_token_id)")
+    g.add_argument("--tokens", type=Path, metavar="FILE", help="with --hf: token ids instead of --data text, for the "
+                   "evaluation windows: a 1-D integer .npy, or text of whitespace-separated integers")
+    g.add_argument("--calib-tokens", type=Path, metavar="FILE", help="with --tokens: GPTQ's calibration ids, same "
+                   "formats (default: the --tokens file)")
     g.add_argument("--seq-len", type=int, default=128, help="with --hf: tokens per window (default 128)")
     g.add_argument("--out", type=Path, help="with --hf: output directory (default: hf-analysis/<folder name>)")
 
@@ -74,8 +81,16 @@ def _hf_quant(args: argparse.Namespace, what: str) -> int:
         raise OptquantError(f"{what}: give a run directory or --hf PATH, not both")
     if args.weights != "final":
         raise OptquantError(f"{what} --hf: --weights applies to optquant runs only")
+    if args.tokens and (args.tokenizer or args.data != "embedded"):
+        raise OptquantError(f"{what} --hf: --tokens replaces the text; give it without --tokenizer and --data")
+    if args.tokens and what == "ptq" and args.mc_items:
+        raise OptquantError("ptq --hf --tokens: the multiple-choice task needs text (its acc_norm counts characters): "
+                            "add --mc-items 0, or give --data with --tokenizer")
+    if args.calib_tokens and not args.tokens:
+        raise OptquantError(f"{what} --hf: --calib-tokens goes with --tokens")
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
-    src = HFSource(args.hf, DataConfig(source=args.data), seq_len=args.seq_len)
+    src = HFSource(args.hf, DataConfig(source=args.data), seq_len=args.seq_len, tokenizer=args.tokenizer,
+                   tokens=args.tokens, calib_tokens=args.calib_tokens)
     out = args.out or default_out(args.hf)
     result = (hf_damage if what == "ptq" else hf_analysis)(src, qcfg, acfg, out)
     print(json.dumps(result, indent=2))
@@ -86,7 +101,7 @@ def _hf_quant(args: argparse.Namespace, what: str) -> int:
 def _quantized(args: argparse.Namespace) -> int:
     """`optquant ptq` (damage: summary.json) or `optquant analyze` (outliers + ABC) of one run or HF model."""
     from optquant.ptq_stage import out_dir, ptq_analysis, ptq_damage
-    from optquant.runs import locked
+    from optquant.runs import PTQ_FILES, RunDir, locked
 
     what = args.command
     if args.hf is not None:
@@ -94,13 +109,14 @@ def _quantized(args: argparse.Namespace) -> int:
     if args.run_dir is None:
         raise OptquantError(f"{what}: give a run directory (from optquant train) or --hf PATH")
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
-    if not (args.run_dir / "config.json").is_file():
+    if not RunDir(args.run_dir).config.is_file():
         raise OptquantError(f"{args.run_dir}: not a run directory (no config.json; give a directory made by "
                             "optquant train)")
     out = out_dir(args.run_dir, acfg, qcfg.name)
     with locked(out, wait=False):
         result = (ptq_damage if what == "ptq" else ptq_analysis)(args.run_dir, qcfg, acfg)
     print(json.dumps(result, indent=2))
-    written = "summary.json" if what == "ptq" else "{analysis.json,outliers.parquet,propagation.parquet}"
+    names = [PTQ_FILES[k] for k in (("damage",) if what == "ptq" else ("analysis", "outliers", "propagation"))]
+    written = names[0] if len(names) == 1 else "{" + ",".join(names) + "}"
     print(f"written: {out}/{written}")
     return 0

@@ -179,10 +179,7 @@ class Progress:
             for r in records.values():
                 self.eta.record(r)
             if event["key"] not in records:  # answered from its files (a resumed study)
-                stage = event["stage"]
-                cls = "cl" if stage == "common loss" else "qat" if stage == "qat" else \
-                    ("outliers" if event["key"].endswith("/outliers") else "ptq") if stage.startswith("ptq") else "fp"
-                self.eta.skip(cls, now)
+                self.eta.skip(event["job_stage"], now)
             result = event["result"]
             loss = result.get("final_val_loss", result.get("delta_val_loss"))
             msg = f"[{now - self.eta.start:7.1f}s] {event['stage']}: {event['key']} {result.get('status', 'done')}"

@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _clear_run(path: Path) -> None:
     """Everything in a run directory but its lock (held by this process)."""
+    from optquant.runs import LOCK
+
     for child in path.iterdir():
-        if child.name != ".lock":
+        if child.name != LOCK:
             shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()

@@ -81,13 +81,21 @@ def load_hf(path: Path, seq_len: int = 128):
     return HFLM(load_hf_model(path), seq_len=seq_len).eval()
 
 
-def load_hf_tokenizer(path: Path):
-    """(the fast tokenizers.Tokenizer backend, the EOS id) of the tokenizer in a local HF folder."""
+def load_hf_tokenizer(path: Path, model: Path | None = None):
+    """(the fast tokenizers.Tokenizer backend, the EOS id, the BOS id or else EOS: lm-eval's prefix token) of the
+    tokenizer in a local HF folder or a tokenizer.json file; without an EOS of its own, `model`'s config.json's."""
     transformers = require_transformers()
+    path = Path(path)
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise OptquantError(f"{path}: no tokenizer transformers can load ({str(e).splitlines()[0]})") from None
-    if getattr(tok, "backend_tokenizer", None) is None or tok.eos_token_id is None:
+        tok = (transformers.PreTrainedTokenizerFast(tokenizer_file=str(path)) if path.is_file() else
+               transformers.AutoTokenizer.from_pretrained(path, local_files_only=True))
+    except Exception as e:  # transformers / tokenizers over files from elsewhere: any failure is bad input
+        raise OptquantError(f"{path}: no tokenizer transformers can load ({(str(e).splitlines() or [''])[0]}); for a "
+                            "checkpoint without one, ptq/analyze --hf take --tokenizer PATH or --tokens FILE") from None
+    eos = tok.eos_token_id
+    if eos is None and model is not None:
+        eos = check_hf_config(model).get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+    if getattr(tok, "backend_tokenizer", None) is None or type(eos) is not int:
         raise OptquantError(f"{path}: the tokenizer needs a fast (tokenizer.json) backend and an EOS token")
-    return tok.backend_tokenizer, tok.eos_token_id
+    return tok.backend_tokenizer, eos, eos if tok.bos_token_id is None else tok.bos_token_id

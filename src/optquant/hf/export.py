@@ -10,7 +10,8 @@ The mapping (optquant.model's llama arch → HF Llama):
   [0, 2, 4, …, 1, 3, 5, …] turns one into the other; q·k is unchanged by a common permutation;
 - tied or untied head: tie_word_embeddings.
 The tokenizer goes along as tokenizer.json (+ tokenizer_config.json) that AutoTokenizer loads, with
-<|endoftext|> as EOS and BOS (our runs separate documents with it).
+<|endoftext|> as EOS and BOS, prepended by default (add_special_tokens=True): our runs separate documents with
+it, so a text follows it, and `lm_eval --model hf` on the folder conditions on it as `optquant eval` does.
 
 The paper's OLMo2 variant is refused: HF's Olmo2 has a SwiGLU MLP and RMS QK-norm over all heads with
 a per-channel gain, ours a ReLU² MLP and per-head L2 QK-norm with a per-head scale; no HF architecture
@@ -27,12 +28,13 @@ from pathlib import Path
 
 import torch
 
-from optquant.checkpoint import temp_path
 from optquant.data import EOT, load_tokens
 from optquant.errors import OptquantError
+from optquant.files import temp_path
 from optquant.hf import require_transformers
 from optquant.model import LM
-from optquant.ptq_stage import Weights, load_run_model
+from optquant.ptq_stage import load_run_model
+from optquant.runs import RunDir, Weights
 
 
 def rope_permutation(head_dim: int) -> torch.Tensor:
@@ -77,7 +79,12 @@ def llama_config(model: LM, eot_id: int):
     )
 
 
-RUN_FILES = ("summary.json", "metrics.jsonl", "checkpoint.safetensors", ".lock", "study.json", "results.parquet")
+STUDY_FILES = ("study.json", "results.parquet")
+
+
+def _holds_results(path: Path) -> bool:
+    """A run's or a study's directory."""
+    return RunDir(path).is_run() or any((path / f).exists() for f in STUDY_FILES)
 
 
 def _is_export(path: Path) -> bool:
@@ -87,7 +94,7 @@ def _is_export(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return (isinstance(config, dict) and config.get("architectures") == ["LlamaForCausalLM"]
-            and not any((path / f).exists() for f in RUN_FILES))
+            and not _holds_results(path))
 
 
 def check_target(run_dir: Path, out: Path, force: bool) -> None:
@@ -97,7 +104,7 @@ def check_target(run_dir: Path, out: Path, force: bool) -> None:
         raise OptquantError(f"export --hf {out}: exists and is not a directory; choose a new folder")
     if not out.exists() or not any(out.iterdir()):
         return
-    if out.resolve() == Path(run_dir).resolve() or any((out / f).exists() for f in RUN_FILES):
+    if out.resolve() == Path(run_dir).resolve() or _holds_results(out):
         raise OptquantError(f"export --hf {out}: is a run or study directory; export into a new folder")
     if not _is_export(out):
         raise OptquantError(f"export --hf {out}: not empty and not an earlier export; choose a new folder")
@@ -129,7 +136,7 @@ def export_hf(run_dir: Path, out: Path, weights: Weights = "final", force: bool 
     try:
         hf.save_pretrained(tmp)
         tok = transformers.PreTrainedTokenizerFast(tokenizer_object=data.tokenizer, eos_token=EOT, bos_token=EOT,
-                                                   model_max_length=cfg.model.seq_len)
+                                                   add_bos_token=True, model_max_length=cfg.model.seq_len)
         tok.save_pretrained(tmp)
         if out.exists():
             os.rename(out, old)  # checked above: empty, or an earlier export with --force

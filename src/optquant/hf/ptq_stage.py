@@ -6,6 +6,12 @@ the folder's own tokenizer, its EOS token after every document. Validation windo
 ABC) come from the held-out documents, GPTQ calibration from the first training documents, and the
 built-in multiple-choice task from the held-out stream, all seeded as for our runs. Results go to
 `OUT/<scheme>/` (default OUT: `hf-analysis/<folder name>`), the same files `optquant ptq/analyze` write.
+
+A folder without a tokenizer (a bare checkpoint) takes one from elsewhere (`tokenizer`: a tokenizer folder or a
+tokenizer.json; EOS from it or else config.json's eos_token_id), or token ids instead of text (`tokens`: the
+evaluation windows; `calib_tokens`: GPTQ's, default the same file): a 1-D integer `.npy`, or any other file
+as text of whitespace-separated integers, each in [0, vocab_size), at least one window (seq_len + 1) long.
+Without text there is no built-in multiple-choice task (its acc_norm counts characters).
 """
 
 from __future__ import annotations
@@ -33,12 +39,40 @@ class HFSource:
     data: DataConfig = DataConfig()
     seq_len: int = 128
     batch_size: int = 8
+    tokenizer: Path | None = None  # a tokenizer folder or tokenizer.json (None: the model folder's own)
+    tokens: Path | None = None  # token ids instead of text: the evaluation windows
+    calib_tokens: Path | None = None  # with `tokens`: GPTQ's calibration windows (None: `tokens`)
+
+
+def read_ids(path: Path, vocab_size: int, seq_len: int) -> np.ndarray:
+    """The token ids in `path` (see the module docstring), checked, as int64."""
+    try:
+        ids = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.array(path.read_text().split(),
+                                                                                     dtype=np.int64)
+    except (OSError, ValueError, OverflowError) as e:
+        raise OptquantError(f"{path}: not token ids (a 1-D integer .npy, or text of whitespace-separated integers): "
+                            f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise OptquantError(f"{path}: token ids must be a 1-D array of integers, got {ids.dtype} {tuple(ids.shape)}")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise OptquantError(f"{path}: token id {bad[0]} is outside [0, {vocab_size}) (the model's vocab_size)")
+    if ids.size <= seq_len:
+        raise OptquantError(f"{path}: {ids.size} token ids cannot fill one window of --seq-len {seq_len} + 1")
+    return ids.astype(np.int64)
+
+
+def file_tokens(src: HFSource, vocab_size: int, seq_len: int) -> TokenData:
+    """`src.tokens` (evaluation) and `src.calib_tokens` (calibration) as TokenData; no tokenizer, no EOS (-1)."""
+    val = read_ids(src.tokens, vocab_size, seq_len)
+    train = read_ids(src.calib_tokens, vocab_size, seq_len) if src.calib_tokens else val
+    return TokenData(train, val, vocab_size, None, -1, f"tokens:{src.tokens}")
 
 
 def hf_tokens(src: HFSource, train_tokens: int) -> TokenData:
     """Held-out documents fully, and the first training documents up to `train_tokens` tokens, encoded with
-    the folder's tokenizer (AutoTokenizer's fast backend), EOS after each document."""
-    backend, eos = load_hf_tokenizer(src.path)
+    the folder's tokenizer (or `src.tokenizer`; AutoTokenizer's fast backend), EOS after each document."""
+    backend, eos, _ = load_hf_tokenizer(src.tokenizer or src.path, model=src.path)
     train_docs, val_docs = split_documents(read_documents(src.data), src.data)
 
     def encode(docs, limit: int | None) -> np.ndarray:
@@ -60,6 +94,8 @@ def _setup(src: HFSource, acfg: AnalysisConfig):
     seq_len = model.cfg.seq_len
     cfg = RunConfig(name=Path(src.path).name, model=ModelConfig(vocab_size=model.cfg.vocab_size, seq_len=seq_len),
                     data=src.data, train=TrainConfig(batch_size=src.batch_size, eval_batches=8))
+    if src.tokens:
+        return cfg, model, file_tokens(src, model.cfg.vocab_size, seq_len)
     data = hf_tokens(src, TRAIN_TOKENS_PER_SEQUENCE * acfg.gptq_sequences * (seq_len + 1))
     if data.vocab_size > model.cfg.vocab_size:
         raise OptquantError(f"{src.path}: the tokenizer has {data.vocab_size} tokens but the model only "

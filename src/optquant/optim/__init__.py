@@ -1,8 +1,22 @@
 """The optimizer registry: name -> frozen config class whose `build(groups)` returns torch optimizers.
 
-Every config has `name` (its registry key) and `lr` (the peak learning rate the schedule scales), and
-its defaults are the paper's (paper.md §3; each file says where a default comes from). A new optimizer
-is one file, one dict line and a passing contract test (tests/test_optim.py).
+A new optimizer is one file, its entry in OPTIMIZERS (and the import) and a passing contract test: no code
+outside optim/ branches on an optimizer's name (tests/test_optimizer_names.py). The file's config, a frozen
+dataclass (`OptimConfig`), has
+- `name` (its registry key) and `lr` (the peak learning rate the schedule scales, > 0 for every optimizer);
+- `build(groups)`: torch optimizers over the three parameter groups (optim/groups.py);
+- `state_bytes(shape, element_size, group)`: the bytes of state it allocates for one parameter of that group
+  after a step, which the planner sums (optquant.cost; tests/test_cost.py compares it with a real step);
+- optional ClassVars: `RANGES` (field -> allowed interval, checked on every config; optim/ranges.py),
+  `GROUP_LRS` (group step sizes a study can tie to lr, study/tuning.py) and `LEGACY_NAMES` (a renamed field
+  -> its old name, under which run ids hash it and old config.json files and overrides may spell it);
+- optional fields read by name elsewhere: `max_precondition_dim` (a preconditioner's size cap, which the
+  planner lowers to make a run fit and the study presets scale to the model) and `ns_dtype` (Newton–Schulz's
+  dtype, pinned to fp32 by the CPU studies).
+The contract is `check_contract` in tests/test_optim.py (the loss falls, stays finite, and resumes bit for
+bit from a JSON + safetensors checkpoint); tests/test_new_optimizer.py adds an optimizer from scratch that
+way and runs it through the config, the planner and training. Defaults are the paper's (paper.md §3; each
+file says where a default comes from).
 
 Every param group records its `base_lr`; the training loop sets `group["lr"] = group["base_lr"] *
 schedule(step)` for every group of every optimizer, so fixed-lr groups (Muon's AdamW, Scion's embedding
@@ -14,6 +28,7 @@ back and resume bit for bit.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -37,8 +52,16 @@ OPTIMIZERS: dict[str, type] = {
     "soap": SOAPConfig,
 }
 
-# the union of the registry's config classes, for type hints
-OptimConfig = AdamWConfig | MuonConfig | PSGDConfig | ScionConfig | ShampooConfig | SOAPConfig
+
+class OptimConfig(Protocol):
+    """What every optimizer config provides (the module docstring)."""
+
+    name: str
+    lr: float
+
+    def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]: ...
+
+    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int: ...
 
 
 def is_optimizer(name: str) -> bool:

@@ -31,6 +31,7 @@ from torch import Tensor
 from optquant.optim.adamw import AdamWConfig
 from optquant.optim.groups import ParamGroups, closure_loss, dense_params
 from optquant.optim.newton_schulz import DTYPES, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
+from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, UNIT, Range
 
 
 def momentum_direction(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
@@ -96,6 +97,14 @@ class MuonConfig:
 
     # group step sizes a study can tie to lr and search: label -> (fixed field, ratio field)
     GROUP_LRS: ClassVar[dict[str, tuple[str, str]]] = {"adamw": ("adam_lr", "adam_lr_ratio")}
+    RANGES: ClassVar[dict[str, Range]] = {"momentum": UNIT, "ns_steps": ONE_UP, "weight_decay": NONNEG,
+                                          "adam_lr": POSITIVE, "adam_lr_ratio": NONNEG, "adam_eps": POSITIVE}
+
+    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
+        """torch.optim.Muon's one momentum buffer per matrix; the rest is the AdamW optimizer's state."""
+        if group == "matrices":
+            return math.prod(shape) * element_size
+        return AdamWConfig().state_bytes(shape, element_size, group)
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         optimizers: list[torch.optim.Optimizer] = []

@@ -135,6 +135,10 @@ class PluginConfig:
         if math.isnan(self.lr):
             object.__setattr__(self, "lr", default_lr(self.name))
 
+    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
+        """Unknown: a plugin declares no state layout (a dry run says so; a real run measures its state)."""
+        raise OptquantError(f"no state layout for optimizer {self.name!r}")
+
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         if math.isnan(self.lr):
             raise OptquantError(f"optimizer plugin {self.name!r} declares no default_lr: set optim.lr=... "

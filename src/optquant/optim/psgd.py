@@ -1,8 +1,9 @@
 """PSGD Kron (Li 2015, arXiv 1512.04202; Kronecker-factored whitening, lixilinx/psgd_torch via kron_torch).
 
 `pytorch_optimizer.Kron`, measured faithful to kron_torch (dependencies.md §1.2), called as the authors
-did (paper.md §3): momentum (an EMA of the gradient), decoupled weight decay, max_size_triangular=12288,
-min_ndim_triangular=2, memory_save_mode=None, and the library's preconditioner-update schedule
+did (paper.md §3): momentum (an EMA of the gradient), decoupled weight decay, max_size_triangular=12288
+(our `max_precondition_dim`, the name SOAP's and Shampoo's configs use too), min_ndim_triangular=2,
+memory_save_mode=None, and the library's preconditioner-update schedule
 p(n) = clamp(exp(−0.001·(n − 500)), 0.03, 1) (every step for the first 500 steps).
 
 Randomness, and why this file wraps the class: the schedule itself is a deterministic counter, but each
@@ -23,9 +24,10 @@ small model's step). A path depends only on the equation, the operand shapes and
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -33,6 +35,7 @@ import torch.backends.opt_einsum as torch_opt_einsum
 from pytorch_optimizer import Kron as _LibKron
 
 from optquant.optim.groups import ParamGroups, closure_loss
+from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, PROBABILITY, UNIT, Range
 
 _DTYPE_KEYS = ("mu_dtype", "precondition_dtype")
 
@@ -128,7 +131,7 @@ class PSGDConfig:
     lr: float = 1e-3
     momentum: float = 0.9
     weight_decay: float = 0.0  # decoupled
-    max_size_triangular: int = 12288  # 8192 in the authors' June-2025 code
+    max_precondition_dim: int = 12288  # Kron's max_size_triangular; 8192 in the authors' June-2025 code
     min_ndim_triangular: int = 2  # vectors get diagonal preconditioners
     memory_save_mode: Literal["none", "one_diag", "smart_one_diag", "all_diag"] = "none"
     update_prob: float | None = None  # None: the library's schedule above; a number: fixed probability
@@ -136,6 +139,30 @@ class PSGDConfig:
     balance_prob: float = 0.01
     momentum_into_precondition_update: bool = True
     seed: int = 0  # of the optimizer's private RNG stream
+
+    LEGACY_NAMES: ClassVar[dict[str, str]] = {"max_precondition_dim": "max_size_triangular"}  # in run ids
+    RANGES: ClassVar[dict[str, Range]] = {
+        "momentum": UNIT, "weight_decay": NONNEG, "max_precondition_dim": ONE_UP, "min_ndim_triangular": ONE_UP,
+        "update_prob": PROBABILITY, "precondition_lr": POSITIVE, "balance_prob": PROBABILITY,
+        "seed": (0, 2**31 - 1, True, True),  # numpy seeds must fit 32 bits
+    }
+
+    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
+        """pytorch_optimizer.Kron (`initialize_q_expressions`): a momentum buffer, and per dim a dense n×n
+        factor (the triangular Q, stored full) or, for a size-1 dim, a dim above `max_precondition_dim`, a
+        tensor with fewer than `min_ndim_triangular` dims or a diagonal `memory_save_mode` dim, a diagonal n.
+        Factors are fp32 (`precondition_dtype`); a 0-d parameter has one scalar factor."""
+        total = math.prod(shape) * element_size
+        if not shape:
+            return total + 4
+        mode, s = self.memory_save_mode, sorted(shape)
+        diag = [mode == "all_diag"] * len(shape)
+        if mode == "one_diag" or (mode == "smart_one_diag" and len(shape) >= 2 and s[-1] > s[-2]):
+            diag[int(np.argsort(shape)[::-1][0])] = True  # the largest dim as the library picks it (unstable sort)
+        for n, d in zip(shape, diag, strict=True):
+            tri = not (n == 1 or n > self.max_precondition_dim or len(shape) < self.min_ndim_triangular or d)
+            total += (n * n if tri else n) * 4
+        return total
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         params = [
@@ -151,7 +178,7 @@ class PSGDConfig:
                 weight_decay=self.weight_decay,
                 weight_decouple=True,
                 pre_conditioner_update_probability=self.update_prob,
-                max_size_triangular=self.max_size_triangular,
+                max_size_triangular=self.max_precondition_dim,
                 min_ndim_triangular=self.min_ndim_triangular,
                 memory_save_mode=None if self.memory_save_mode == "none" else self.memory_save_mode,
                 momentum_into_precondition_update=self.momentum_into_precondition_update,

@@ -32,6 +32,7 @@ from pytorch_optimizer.optimizer.scion import LMONorm, Norm, Spectral
 
 from optquant.optim.groups import ParamGroups
 from optquant.optim.newton_schulz import DTYPES, newton_schulz, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
+from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, PROBABILITY, Range
 
 GAIN_SIGN = 8  # the authors' norm_type for the vector group
 
@@ -116,6 +117,14 @@ class ScionConfig:
     # group step sizes a study can tie to lr and search: label -> (fixed field, ratio field)
     GROUP_LRS: ClassVar[dict[str, tuple[str, str]]] = {"embedding": ("embed_lr", "embed_lr_ratio"),
                                                         "vectors": ("vector_lr", "vector_lr_ratio")}
+    RANGES: ClassVar[dict[str, Range]] = {
+        "momentum": PROBABILITY, "embed_lr": POSITIVE, "vector_lr": POSITIVE, "embed_lr_ratio": NONNEG,
+        "vector_lr_ratio": NONNEG, "weight_decay": NONNEG, "scale": POSITIVE, "ns_steps": ONE_UP,
+    }
+
+    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
+        """pytorch_optimizer.SCION's one momentum buffer `d` per parameter, like the parameter."""
+        return math.prod(shape) * element_size
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         embed_lr = self.embed_lr_ratio * self.lr if self.embed_lr_ratio > 0 else self.embed_lr

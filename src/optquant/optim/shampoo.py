@@ -6,7 +6,8 @@ Shampoo: Gupta, Koren, Singer 2018 (arXiv 1802.09568); the implementation the pa
 grafting_config=AdamGraftingConfig(β2, ε), precondition_frequency=20, max_preconditioner_dim=12288,
 start_preconditioning_step=-1, use_bias_correction=True)`, every other option at its default (root-inverse
 preconditioner by eigendecomposition, `momentum=0`, fp32 factors). Its semantics were read from that
-source (no code copied) and checked step for step against it outside this repository.
+source (no code copied) and checked step for step against it outside this repository. `Shampoo` keeps
+DistributedShampoo's argument names; the config calls the cap `max_precondition_dim`, as PSGD's and SOAP's do.
 
 One step t of one parameter W with gradient G (factors are fp32, like the parameters):
 1. Blocks: size-1 dims are squeezed (a (1, H, 1, 1) QK scale becomes (H,)), then every dim is split into
@@ -37,15 +38,17 @@ widths it would flatten e.g. a 64×64 matrix into a 4096-vector with a 4096² fa
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
 
 from optquant.errors import OptquantError
 from optquant.optim.groups import ParamGroups, closure_loss, dense_params
+from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, UNIT, Range
 
 log = logging.getLogger(__name__)
 MAX_FAILED_ROOTS = 3  # DistributedShampoo's num_tolerated_failed_amortized_computations
@@ -58,6 +61,16 @@ def block_views(t: Tensor, max_dim: int) -> list[Tensor]:
     blocks = [t.reshape(shape)]
     for dim in range(len(shape)):
         blocks = [piece for b in blocks for piece in torch.split(b, max_dim, dim=dim)]
+    return blocks
+
+
+def shampoo_blocks(shape: tuple[int, ...], max_dim: int) -> list[tuple[int, ...]]:
+    """The block shapes of `block_views`, from the shape alone (for the planner's state bytes)."""
+    squeezed = [d for d in shape if d != 1] or [1]
+    blocks = [tuple(squeezed)]
+    for dim in range(len(squeezed)):
+        blocks = [(*b[:dim], m, *b[dim + 1:]) for b in blocks
+                  for m in [max_dim] * (b[dim] // max_dim) + ([b[dim] % max_dim] if b[dim] % max_dim else [])]
     return blocks
 
 
@@ -268,9 +281,26 @@ class ShampooConfig:
     momentum: float = 0.0  # heavy-ball on top of the direction; DistributedShampoo's default, unused
     precondition_frequency: int = 20
     start_preconditioning_step: int = -1  # -1: the precondition frequency
-    max_preconditioner_dim: int = 12288  # 8192 in the authors' June-2025 code
+    max_precondition_dim: int = 12288  # DistributedShampoo's max_preconditioner_dim; 8192 in the authors' code
     grafting: Literal["adam", "none"] = "adam"
     precondition_1d: bool = True  # False: vectors take the grafting (Adam) step only
+
+    LEGACY_NAMES: ClassVar[dict[str, str]] = {"max_precondition_dim": "max_preconditioner_dim"}  # in run ids
+    RANGES: ClassVar[dict[str, Range]] = {
+        "eps": POSITIVE, "weight_decay": NONNEG, "momentum": UNIT, "precondition_frequency": ONE_UP,
+        "start_preconditioning_step": (-1, math.inf, True, False), "max_precondition_dim": ONE_UP,
+    }
+
+    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
+        """`Shampoo._init_state`: per block and dim an n×n factor and an n×n root (none for a squeezed 1-D
+        parameter unless `precondition_1d`), plus the filtered gradient (β1 > 0), Adam's grafting V
+        (grafting="adam") and heavy-ball momentum (momentum > 0), each like the parameter."""
+        total = 0
+        if self.precondition_1d or sum(d != 1 for d in shape) > 1:
+            blocks = shampoo_blocks(shape, self.max_precondition_dim)
+            total += sum(2 * n * n * element_size for blk in blocks for n in blk)
+        copies = (self.beta1 > 0) + (self.grafting == "adam") + (self.momentum > 0)
+        return total + copies * math.prod(shape) * element_size
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         params = [{"params": g} for g in (groups.embeddings + groups.vectors, groups.matrices) if g]
@@ -284,7 +314,7 @@ class ShampooConfig:
                 momentum=self.momentum,
                 precondition_frequency=self.precondition_frequency,
                 start_preconditioning_step=self.start_preconditioning_step,
-                max_preconditioner_dim=self.max_preconditioner_dim,
+                max_preconditioner_dim=self.max_precondition_dim,
                 grafting=self.grafting,
                 precondition_1d=self.precondition_1d,
             )

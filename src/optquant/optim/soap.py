@@ -10,13 +10,16 @@ ints and floats: it checkpoints as is.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pytorch_optimizer import SOAP
+from pytorch_optimizer.optimizer.utils.shape import merge_small_dims
 
 from optquant.optim.groups import ParamGroups
+from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, UNIT, Range
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,19 @@ class SOAPConfig:
     precondition_1d: bool = False
     correct_bias: bool = True
     merge_dims: bool = False
+
+    RANGES: ClassVar[dict[str, Range]] = {"eps": POSITIVE, "weight_decay": NONNEG, "precondition_frequency": ONE_UP,
+                                          "max_precondition_dim": ONE_UP, "shampoo_beta": UNIT}
+
+    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
+        """pytorch_optimizer.SOAP (`init_pre_conditioner`, `get_orthogonal_matrix`): exp_avg and exp_avg_sq,
+        and per dim of the (optionally merged) shape an n×n factor GG and eigenbasis Q when n ≤
+        `max_precondition_dim` (a 1-D parameter only with `precondition_1d`); larger dims get neither."""
+        if len(shape) == 1:
+            dims = list(shape) if self.precondition_1d else []
+        else:
+            dims = list(merge_small_dims(shape, self.max_precondition_dim)) if self.merge_dims else list(shape)
+        return (2 * math.prod(shape) + sum(2 * n * n for n in dims if n <= self.max_precondition_dim)) * element_size
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         params = [{"params": g} for g in (groups.embeddings + groups.vectors, groups.matrices) if g]

@@ -8,6 +8,7 @@ AbsMax RTN, one scale per row: per output channel for a weight (out, in), per to
 |--------|------------------------|----------------------------------------------------------|----------|
 | "sym"  | −(2^{b−1}−1)…2^{b−1}−1 | Δ = absmax/(2^{b−1}−1), z = 0                            | [−7, 7]  |
 | "sym8" | −2^{b−1}…2^{b−1}−1     | Δ = −x_ext/2^{b−1}, z = 0; x_ext = entry of max |x|      | [−8, 7]  |
+| "full" | −2^{b−1}…2^{b−1}−1     | Δ = absmax/(2^{b−1}−½), z = 0                            | [−8, 7]  |
 | "odd"  | −2^{b−1}+1…2^{b−1}     | Δ = 2(absmax + 1e−8)/(2^b−1), z = ½                      | ±½…±7½ Δ |
 | "asym" | 0…2^b−1                | Δ = (hi−lo)/(2^b−1), lo/hi = min(x,0)/max(x,0), z = round(−lo/Δ) | 0…15 |
 
@@ -18,6 +19,10 @@ and every grid dequantizes as x̂ = (clamp(round(x/Δ + z), q_min, q_max) − z)
 - "sym8" follows llama.cpp's Q4_0: the extreme entry lands exactly on −2^{b−1} (the scale takes its
   sign), so all 2^b levels are used and the opposite side reaches 7/8 of the extreme. The literal
   reading "Δ = absmax/7, clamp to [−8, 7]" never reaches −8 without clipping, so it would equal "sym".
+- "full" is llm-compressor's (compressed-tensors `calculate_qparams`: Δ = absmax/((q_max−q_min)/2)) and
+  torchao's (`choose_qparams_affine`, MappingType.SYMMETRIC) symmetric int: ±absmax map to ±7.5 (4-bit), so
+  all 16 levels are in reach and +absmax clips to 7 with error Δ/2, no more than rounding's anywhere. For
+  comparing with them like with like; torchao multiplies by 1/Δ where we (and compressed-tensors) divide.
 
 Granularity (the last axis is always the reduction / input-feature axis):
 "tensor" one scale; "channel" / "token" one scale per row of the last axis (a weight's output channel, an
@@ -26,7 +31,8 @@ entries of a row (a short last group is zero-padded, which never changes a scale
 contains 0 in its range). Formats "mxfp4"/"nvfp4" (formats.py) use their fixed blocks of 32/16 instead.
 
 Left out on purpose: clipping-ratio / MSE scale search, static activation scales, bit packing and
-integer kernels (everything is dequantized fp32 "fake" quantization), straight-through gradients
+integer kernels (everything is dequantized "fake" quantization, in fp64 for fp64 inputs and else fp32; the
+NVFP4 per-tensor scale is fp32 by definition), straight-through gradients
 (QAT wraps these functions, see qat.py).
 """
 
@@ -43,9 +49,9 @@ from optquant.errors import OptquantError
 from optquant.quant import formats
 
 Format = Literal["int", "mxfp4", "nvfp4"]
-Grid = Literal["sym", "sym8", "odd", "asym"]
+Grid = Literal["sym", "sym8", "full", "odd", "asym"]
 Granularity = Literal["tensor", "channel", "token", "group"]
-GRIDS: tuple[str, ...] = ("sym", "sym8", "odd", "asym")
+GRIDS: tuple[str, ...] = ("sym", "sym8", "full", "odd", "asym")
 FORMATS: tuple[str, ...] = ("int", "mxfp4", "nvfp4")
 GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "token", "group")
 OFF = 16  # a PTQ / QAT w_bits or a_bits of 16 means "not quantized"
@@ -88,9 +94,8 @@ class QuantSpec:
 def grid_range(bits: int, grid: str) -> tuple[int, int]:
     """(q_min, q_max) of an integer grid; see the table in the module docstring."""
     half = 2 ** (bits - 1)
-    return {"sym": (1 - half, half - 1), "sym8": (-half, half - 1), "odd": (1 - half, half)}.get(
-        grid, (0, 2**bits - 1)
-    )
+    return {"sym": (1 - half, half - 1), "sym8": (-half, half - 1), "full": (-half, half - 1),
+            "odd": (1 - half, half)}.get(grid, (0, 2**bits - 1))
 
 
 def int_params(x: Tensor, bits: int, grid: str) -> tuple[Tensor, Tensor]:
@@ -104,6 +109,8 @@ def int_params(x: Tensor, bits: int, grid: str) -> tuple[Tensor, Tensor]:
         scale = absmax / (2 ** (bits - 1) - 1)
     elif grid == "sym8":
         scale = -x.gather(-1, x.abs().argmax(-1, keepdim=True)) / 2 ** (bits - 1)
+    elif grid == "full":
+        scale = absmax / (2 ** (bits - 1) - 0.5)
     elif grid == "odd":
         return 2 * (absmax + 1e-8) / (2**bits - 1), zero + 0.5
     else:
@@ -148,10 +155,11 @@ def group_rows(x: Tensor, block: int) -> Tensor:
 
 
 def fake_quant(x: Tensor, spec: QuantSpec) -> Tensor:
-    """Quantize and dequantize x (…, k) with `spec`; same shape and dtype as x, computed in fp32."""
+    """Quantize and dequantize x (…, k) with `spec`; same shape and dtype as x, computed in x's dtype if fp32 or
+    fp64 (an fp64 analysis stays fp64), else in fp32."""
     if x.dim() == 0 or x.numel() == 0:
         raise OptquantError(f"fake_quant needs a non-empty tensor with an axis, got {tuple(x.shape)}")
-    xf = x.float()
+    xf = x if x.dtype == torch.float64 else x.float()
     k = x.shape[-1]
     rows = group_rows(xf, spec.block)
     amax = xf.abs().amax() if spec.format == "nvfp4" else None

@@ -51,7 +51,7 @@ class PTQConfig:
     w_bits: int = 4  # 16 = weights not quantized
     a_bits: int = 4  # 16 = activations not quantized (weight-only)
     format: Format = "int"  # "mxfp4" / "nvfp4" fix 4 bits and their own blocks
-    grid: Grid = "sym"  # integer grid, see primitives.py: "sym" [−7,7], "sym8" [−8,7], "odd", "asym"
+    grid: Grid = "sym"  # integer grid, see primitives.py: "sym" [−7,7], "sym8"/"full" [−8,7], "odd", "asym"
     w_group_size: int = 0  # 0 = one scale per output channel
     a_group_size: int = 0  # 0 = one scale per token
     quantize_head: bool = False  # a tied head gets its own quantized weight; the embedding stays FP
@@ -130,6 +130,8 @@ SCHEMES: dict[str, PTQConfig] = {
         PTQConfig(format="mxfp4"),
         PTQConfig(format="nvfp4"),
         PTQConfig(w_bits=8, a_bits=8),
+        PTQConfig(grid="full"),  # the paper's scheme on llm-compressor's / torchao's int4 grid
+        PTQConfig(a_bits=16, method="gptq", w_group_size=128, grid="full"),  # llm-compressor's W4A16 scheme, our GPTQ
     )
 }
 

@@ -217,16 +217,18 @@ def _g1_one(d: StudyData) -> Check:
     return Check(how, ours, verdict(inside, outside))
 
 
-def _gain_rank(d: StudyData) -> Check:
+def _gain_rank(d: StudyData, high: str, low: tuple[str, ...]) -> Check:
+    """The paper's claim: optimizer `high` has the highest gain, the `low` ones the lowest."""
     scheme = d.paper_scheme()
-    how = _rank_how("mean linear-layer gain G of the CL models: Muon highest, AdamW and Shampoo lowest")
+    how = _rank_how(f"mean linear-layer gain G of the CL models: {d.label(high)} highest, "
+                    f"{' and '.join(map(d.label, low))} lowest")
     r = _ranking(d, "cl", "mean_gain", scheme, lower_is_better=False) if scheme else None
-    if r is None or not {"muon", "adamw", "shampoo"} <= set(r.rank):
-        return _na(how, "needs mean_gain rows of Muon, AdamW and Shampoo")
-    low, rest = ("adamw", "shampoo"), [o for o in r.rank if o not in ("adamw", "shampoo")]
-    top = all(r.better("muon", o) for o in r.rank if o != "muon")
+    if r is None or not {high, *low} <= set(r.rank):
+        return _na(how, f"needs mean_gain rows of {', '.join(map(d.label, (high, *low[:-1])))} and {d.label(low[-1])}")
+    rest = [o for o in r.rank if o not in low]
+    top = all(r.better(high, o) for o in r.rank if o != high)
     bottom = all(r.better(o, lo) for lo in low for o in rest)
-    bad = any(r.better(o, "muon") for o in r.rank) or any(r.better(lo, o) for lo in low for o in rest)
+    bad = any(r.better(o, high) for o in r.rank) or any(r.better(lo, o) for lo in low for o in rest)
     ours = ", ".join(f"{d.label(o)} rank {r.label(o)}" for o in sorted(r.rank, key=r.rank.get))
     return Check(how, ours + f" (n={r.n_units} units, higher gain ranks first)", verdict(top and bottom, bad))
 
@@ -302,16 +304,16 @@ def _ptq_qat_link(d: StudyData) -> Check:
     return Check(how, ours, verdict(res.statistic < 0 and res.pvalue < ALPHA, res.statistic > 0 and res.pvalue < ALPHA))
 
 
-def _shampoo_cost(d: StudyData) -> Check:
-    how = _rank_how("mean step time of the best-LR runs, Shampoo vs AdamW")
+def _step_cost(d: StudyData, slow: str, fast: str, paper: str) -> Check:
+    """The paper's claim: optimizer `slow` takes longer per step than `fast` (`paper`: its measured ratio)."""
+    how = _rank_how(f"mean step time of the best-LR runs, {d.label(slow)} vs {d.label(fast)}")
     r = _ranking(d, "fp", "mean_step_seconds", best=True)
-    if r is None or not {"shampoo", "adamw"} <= set(r.rank):
-        return _na(how, "needs timed Shampoo and AdamW runs")
+    if r is None or not {slow, fast} <= set(r.rank):
+        return _na(how, f"needs timed {d.label(slow)} and {d.label(fast)} runs")
     t = d.cell("fp", "mean_step_seconds", best=True)
-    s = [x for x in d.sizes if (x, "shampoo") in t and (x, "adamw") in t][-1]
-    ratio = t[(s, "shampoo")] / t[(s, "adamw")]
-    ours = _pair_text(d, r, "shampoo", "adamw") + f"; {s}: {ratio:.2f}× (paper 760M: 1.33×)"
-    return Check(how, ours, verdict(r.better("adamw", "shampoo"), r.better("shampoo", "adamw")))
+    s = [x for x in d.sizes if (x, slow) in t and (x, fast) in t][-1]
+    ours = _pair_text(d, r, slow, fast) + f"; {s}: {t[(s, slow)] / t[(s, fast)]:.2f}× (paper {paper})"
+    return Check(how, ours, verdict(r.better(fast, slow), r.better(slow, fast)))
 
 
 _CHECKS: dict[str, Callable[[StudyData], Check]] = {
@@ -325,13 +327,13 @@ _CHECKS: dict[str, Callable[[StudyData], Check]] = {
     "rl_predicts": _rl_predicts,
     "a_dominates": _a_dominates,
     "g1_one": _g1_one,
-    "gain_rank": _gain_rank,
+    "gain_rank": lambda d: _gain_rank(d, "muon", ("adamw", "shampoo")),
     "qat_least": lambda d: _best_of(d, _ranking(d, "qat", "qat_rel_degradation_pct", None), "shampoo",
                                     _rank_how("relative QAT val-loss gap, Shampoo smallest"), "QAT rows"),
     "qat_not_fp": _qat_not_fp,
     "rho_rank": _rho_rank,
     "ptq_qat_link": _ptq_qat_link,
-    "shampoo_cost": _shampoo_cost,
+    "shampoo_cost": lambda d: _step_cost(d, "shampoo", "adamw", "760M: 1.33×"),
 }
 
 

@@ -28,6 +28,7 @@ import pandas as pd
 from optquant.errors import OptquantError
 from optquant.files import NUMBER, check_numeric_columns, check_record, parse_metrics, read_json, read_parquet
 from optquant.report.paper import LABELS, by_label
+from optquant.runs import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -128,12 +129,15 @@ class StudyData:
         return {o: str(g["run_id"].iloc[0]) for o, g in df.groupby("optimizer")}
 
     # ---------------------------------------------------------------- per-run files
+    def run(self, run_id: str) -> RunDir:
+        return RunDir(self.root / "runs" / run_id)
+
     def summary_values(self, kind: str, metric: str, key: str) -> dict[tuple[str, str], str]:
         """{(size, optimizer): the distinct values of `key` in runs/<run_id>/summary.json over the runs
         of the selected rows, joined by "/"}; cells where no run records the key are absent."""
         out = {}
         for cell, g in self.rows(kind, metric).groupby(["size", "optimizer"]):
-            summaries = (_optional(read_json, self.root / "runs" / str(r) / "summary.json") or {}
+            summaries = (_optional(read_json, self.run(str(r)).summary) or {}
                          for r in g["run_id"].unique())
             values = {str(v) for s in summaries if (v := s.get(key)) is not None}
             if values:
@@ -142,8 +146,7 @@ class StudyData:
 
     def propagation(self, run_id: str, scheme: str) -> pd.DataFrame | None:
         """A CL model's ABC rows, as `optquant analyze` wrote them."""
-        return _one_norm(_optional(read_parquet, self.root / "runs" / run_id / "ptq" / "cl" / scheme /
-                                   "propagation.parquet"))
+        return _one_norm(_optional(read_parquet, self.run(run_id).ptq_file("cl", scheme, "propagation")))
 
     def propagation_set(self) -> tuple[str, str, dict[str, pd.DataFrame]] | None:
         """(size, scheme, {optimizer: propagation frame}) for the largest size whose CL models have ABC
@@ -160,7 +163,7 @@ class StudyData:
 
     def curve(self, run_id: str) -> pd.DataFrame | None:
         """runs/<run_id>/metrics.jsonl as a frame (None if absent or empty)."""
-        path = self.root / "runs" / run_id / "metrics.jsonl"
+        path = self.run(run_id).metrics
         if not path.is_file():
             return None
         lines = parse_metrics(path)
@@ -231,7 +234,7 @@ def _blocks(root: Path, sizes_info: dict, results: pd.DataFrame) -> dict[str, in
     out = {s: int(v["n_layer"]) for s, v in sizes_info.items() if isinstance(v, dict) and "n_layer" in v}
     for size, g in results.groupby("size"):
         if str(size) not in out:
-            record = _optional(read_json, root / "runs" / str(g["run_id"].iloc[0]) / "config.json") or {}
+            record = _optional(read_json, RunDir(root / "runs" / str(g["run_id"].iloc[0])).config) or {}
             cfg = record.get("config") if isinstance(record, dict) else None
             if isinstance(cfg, dict) and isinstance(n := (cfg.get("model") or {}).get("n_layer"), int):
                 out[str(size)] = n

@@ -1,8 +1,9 @@
 """Executors: run a batch of independent jobs locally (worker processes) or on Slurm (submitit).
 
-A job is a plain picklable `Job(kind, key, args)`; `run_job` dispatches it to `study.jobs`. Every job
-is idempotent (its outputs are files written atomically, found and reused on a rerun), so a killed
-study is resumed by running the same batch again.
+A job is any picklable object with `key`, `done`, `cost`, `run` and `describe` (the `Job` protocol of
+study/jobs.py); the executor knows no kinds of job. Every job is idempotent (its outputs are files
+written atomically, found and reused on a rerun), so a killed study is resumed by running the same
+batch again.
 
 - `local`: a pool of `workers` spawned processes; the machine's cores are split evenly between them
   (torch threads per worker = cores // workers). workers=1 runs jobs in this process. The workers die
@@ -14,7 +15,7 @@ study is resumed by running the same batch again.
 
 Waste: a job whose outputs already exist (a finished run resubmitted by a later stage, a PTQ result of
 an earlier attempt) is answered from its files without a worker. The others are submitted longest
-first (`Job.cost`, else `estimate_cost`: training FLOPs, or forward passes for PTQ/outliers), so the
+first (`Job.cost`: training FLOPs, or forward passes for PTQ/outliers), so the
 long jobs do not end up alone at the tail of a batch. Every job that ran is appended to `costs.jsonl`
 (one JSON line, written by this process alone: stage, optimizer, size, start/end, worker, seconds per
 part), which the report's cost section reads.
@@ -30,31 +31,25 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from optquant.files import open_nofollow
+
+if TYPE_CHECKING:
+    from optquant.study.jobs import Job
+
+Result = dict[str, Any]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Job:
-    kind: str  # "train" | "ptq" | "outliers"
-    key: str  # unique within a study: the run id, or run id/scheme
-    args: dict[str, Any] = field(default_factory=dict)
-    cost: float = 0.0  # relative cost for scheduling (0 = estimate it); the longest start first
-
-
-def run_job(job: Job) -> dict[str, Any]:
+def run_job(job: Job) -> tuple[Result, dict[str, float]]:
     from optquant.device import keep_freed_memory
-    from optquant.study import jobs
 
     keep_freed_memory()  # in the process that runs the job: a pool worker, a Slurm task, or this one
-
-    return {"train": jobs.train_job, "ptq": jobs.ptq_job, "outliers": jobs.outliers_job}[job.kind](**job.args)
+    return job.run()
 
 
 def die_with_parent(parent: int) -> None:
@@ -74,67 +69,20 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def timed_job(job: Job) -> tuple[dict[str, Any], dict[str, Any]]:
+def timed_job(job: Job) -> tuple[Result, dict[str, Any]]:
     """(result, timing) of `run_job`: wall-clock start/end, the worker's pid and seconds per part."""
-    from optquant.study.jobs import TIMING_KEY
-
     start = time.time()
-    result = run_job(job)
+    result, parts = run_job(job)
     end = time.time()
-    parts = result.pop(TIMING_KEY, None) if isinstance(result, dict) else None
-    return result, {"start": start, "end": end, "worker": f"{os.uname().nodename}:{os.getpid()}",
-                    "parts": parts or {}}
-
-
-def done_result(job: Job) -> dict[str, Any] | None:
-    """The result of a job whose outputs already exist (read from its files), else None."""
-    from optquant.files import read_json
-    from optquant.ptq_stage import covers, read_result
-    from optquant.runs import read_summary
-    from optquant.study.jobs import analysis_config
-
-    if job.kind == "train":
-        return read_summary(Path(job.args["run_dir"]))
-    if job.kind == "ptq":
-        from optquant.quant.ptq import PTQConfig
-
-        acfg = analysis_config(job.args["weights"], job.args["mc_items"], job.args.get("harness"))
-        name, path = PTQConfig(**job.args["ptq"]).name, Path(job.args["run_dir"])
-        damage, metrics = read_result(path, acfg, name, "summary.json"), read_result(path, acfg, name, "analysis.json")
-        return {**damage, **metrics} if covers(damage, acfg) and metrics is not None else None  # else redo
-    if job.kind == "outliers":
-        path = Path(job.args["run_dir"]) / "ptq" / "final" / "outliers.json"
-        return read_json(path) if path.exists() else None
-    return None
-
-
-def _run_config(job: Job):
-    from optquant.config import from_dict
-    from optquant.runs import read_config
-
-    if job.kind == "train":
-        return from_dict(job.args["config"])
-    return read_config(Path(job.args["run_dir"]))
+    return result, {"start": start, "end": end, "worker": f"{os.uname().nodename}:{os.getpid()}", "parts": parts}
 
 
 def estimate_cost(job: Job) -> float:
-    """FLOPs-like cost: a training run's 6·N·D + attention; a PTQ job ~ 12 forwards and an outlier job
-    ~ 2 forwards of N parameters over its evaluation tokens (eval batches × micro-batch × T)."""
-    if job.cost > 0:
-        return job.cost
+    """The job's own cost estimate (study/jobs.py); a job that cannot be costed yet (its config missing)
+    is still run, last."""
     try:
-        from optquant.cost import meta_model, training_flops
-        from optquant.model import count_params
-        from optquant.train import total_steps
-
-        cfg = _run_config(job)
-        model = meta_model(cfg)
-        n = count_params(model)
-        if job.kind == "train":
-            return training_flops(cfg, n, total_steps(cfg, model) * cfg.train.batch_size * cfg.model.seq_len)
-        tokens = cfg.train.eval_batches * cfg.train.batch_size // cfg.train.grad_accum * cfg.model.seq_len
-        return 2.0 * n * tokens * (12 if job.kind == "ptq" else 2)
-    except Exception:  # a job we cannot cost (config missing) is still run, last
+        return job.cost()
+    except Exception:
         log.debug("no cost estimate for %s", job.key, exc_info=True)
         return 0.0
 
@@ -147,20 +95,11 @@ def longest_first(jobs: list[Job]) -> list[Job]:
 
 def cost_record(job: Job, timing: dict[str, Any], workers: int) -> dict[str, Any]:
     """One costs.jsonl line: the job, its stage, optimizer and size, and where its time went."""
-    stage, optimizer, size = job.kind, None, None
-    try:
-        cfg = _run_config(job)
-        optimizer, size = cfg.optim.name, cfg.preset or None  # None: a run from before configs had it
-        if job.kind == "train":
-            stage = "qat" if cfg.qat is not None else "cl" if cfg.train.cl_threshold is not None else "fp"
-    except Exception:
-        log.debug("no config for %s", job.key, exc_info=True)
+    facts = job.describe()
     seconds = timing["end"] - timing["start"]
-    parts = timing["parts"] or {{"train": "qat" if stage == "qat" else "training", "ptq": "ptq",
-                                 "outliers": "analysis"}.get(job.kind, job.kind): seconds}
-    return {"key": job.key, "kind": job.kind, "stage": stage, "optimizer": optimizer, "size": size,
-            "start": timing["start"], "end": timing["end"], "seconds": seconds, "worker": timing["worker"],
-            "workers": workers, "parts": parts}
+    return {"key": job.key, "kind": facts["kind"], "stage": facts["stage"], "optimizer": facts["optimizer"],
+            "size": facts["size"], "start": timing["start"], "end": timing["end"], "seconds": seconds,
+            "worker": timing["worker"], "workers": workers, "parts": timing["parts"] or {facts["part"]: seconds}}
 
 
 def append_costs(path: Path, record: dict[str, Any]) -> None:
@@ -219,7 +158,7 @@ class WorkerPool:
 
 
 def run_local(jobs: list[Job], workers: int,
-              pool: WorkerPool | None = None) -> Iterator[tuple[Job, tuple[dict[str, Any], dict[str, Any]]]]:
+              pool: WorkerPool | None = None) -> Iterator[tuple[Job, tuple[Result, dict[str, Any]]]]:
     """Yield (job, (result, timing)) as jobs finish, in submission order's priority. `pool`: worker
     processes to reuse (a study's); without one, a pool lives for this batch only."""
     if workers <= 1 or len(jobs) <= 1:
@@ -258,9 +197,9 @@ def run_submitit(jobs: list[Job], folder: Path, cluster: str | None,
         yield job, future.result()
 
 
-def execute(jobs: list[Job], kind: str, workers: int, folder: Path | None,
-            on_done: Callable[[Job, dict[str, Any]], None] | None = None,
-            costs: Path | None = None, pool: WorkerPool | None = None) -> dict[str, dict[str, Any]]:
+def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
+            on_done: Callable[[Job, Result], None] | None = None,
+            costs: Path | None = None, pool: WorkerPool | None = None) -> dict[str, Result]:
     """Run `jobs` with the chosen executor; returns key → result. Jobs already done are read, not
     run; each job that runs is logged to `costs` (default: costs.jsonl beside `folder`, i.e. in the
     study directory; no log without either). `pool`: local workers to reuse (a study's)."""
@@ -268,7 +207,7 @@ def execute(jobs: list[Job], kind: str, workers: int, folder: Path | None,
         costs = Path(folder).parent / "costs.jsonl"
     results, todo = {}, []
     for job in jobs:
-        done = done_result(job)
+        done = job.done()
         if done is None:
             todo.append(job)
             continue
@@ -276,11 +215,11 @@ def execute(jobs: list[Job], kind: str, workers: int, folder: Path | None,
         if on_done is not None:
             on_done(job, done)
     todo = longest_first(todo)
-    if kind == "local":
+    if executor == "local":
         stream = run_local(todo, workers, pool)
     else:
-        stream = run_submitit(todo, folder, "local" if kind == "submitit-local" else None)
-    n_workers = workers if kind == "local" else len(todo)
+        stream = run_submitit(todo, folder, "local" if executor == "submitit-local" else None)
+    n_workers = workers if executor == "local" else len(todo)
     for job, (result, timing) in stream:
         results[job.key] = result
         if costs is not None:

@@ -1,4 +1,16 @@
-"""The study's two kinds of job, each idempotent: train one run; quantize and analyse one model.
+"""The study's three kinds of job, each a frozen dataclass that owns what it needs to know about itself.
+
+A job is idempotent: its outputs are files written atomically, so `done()` answers from them and a killed
+study is resumed by submitting the same jobs again. The executor (study/executor.py) only calls the four
+methods every job has:
+
+    done()      the result, read from the job's files, if they exist and cover what it asks; else None
+    cost()      a FLOPs-like estimate, for scheduling the longest first (0 = unknown: last)
+    run()       (result, seconds by part) after doing the work in this process ({} = the job is one part)
+    describe()  what costs.jsonl records: kind, stage, optimizer, size, part
+
+and two attributes: `key` (unique within a study) and `stage` (fp, cl, qat, ptq or outliers: the class of
+job the ETA prices, study/progress.py).
 
 A run directory is locked (runs.locked: fcntl, released when the process dies) while a job works in it,
 as `optquant train/ptq/analyze` lock it, so no two processes ever write the same run at once.
@@ -6,12 +18,13 @@ as `optquant train/ptq/analyze` lock it, so no two processes ever write the same
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from optquant.config import from_dict
-from optquant.harness import HarnessConfig
+from optquant.config import RunConfig
 from optquant.ptq_stage import (
     AnalysisConfig,
     LoadedRun,
@@ -23,48 +36,167 @@ from optquant.ptq_stage import (
     read_result,
 )
 from optquant.quant.ptq import PTQConfig
-from optquant.runs import locked
+from optquant.runs import RunDir, locked, read_config, read_summary
 from optquant.train import train
 
-TIMING_KEY = "_seconds_by_part"
+log = logging.getLogger(__name__)
+Result = dict[str, Any]
 
 
-def train_job(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
-    with locked(Path(run_dir)):
-        return train(from_dict(config), Path(run_dir))
+class Job(Protocol):
+    @property
+    def key(self) -> str: ...  # unique within a study: the run id, or run id/weights/scheme
+
+    @property
+    def stage(self) -> str: ...  # fp, cl, qat, ptq or outliers
+
+    def done(self) -> Result | None: ...
+
+    def cost(self) -> float: ...
+
+    def run(self) -> tuple[Result, dict[str, float]]: ...
+
+    def describe(self) -> dict[str, Any]: ...
 
 
-def analysis_config(weights: str, mc_items: int, harness: dict[str, Any] | None = None) -> AnalysisConfig:
-    """A PTQ job's AnalysisConfig from its (picklable) arguments."""
-    h = HarnessConfig(**{**(harness or {}), "tasks": tuple((harness or {}).get("tasks", ()))})
-    return AnalysisConfig(weights=weights, mc_items=mc_items, harness=h)
+def forward_cost(cfg: RunConfig, forwards: int) -> float:
+    """~`forwards` forward passes of the run's N parameters over its evaluation tokens (eval batches ×
+    micro-batch × T): 2·N FLOPs per token and pass."""
+    from optquant.cost import meta_model
+    from optquant.model import count_params
+
+    tc = cfg.train
+    tokens = tc.eval_batches * tc.batch_size // tc.grad_accum * cfg.model.seq_len
+    return 2.0 * count_params(meta_model(cfg)) * tokens * forwards
 
 
-def ptq_job(run_dir: str, ptq: dict[str, Any], weights: str, mc_items: int,
-            harness: dict[str, Any] | None = None) -> dict[str, Any]:
-    """PTQ damage + outliers + ABC for one (model, scheme); reuses what an earlier attempt wrote (if it
-    covers the evaluations asked for). `harness`: lm-eval tasks (HarnessConfig as a dict) to score on.
-    The model, its tokens and the quantized copy are loaded/built once for both parts. The result's
-    `TIMING_KEY` entry (seconds of each part) is for the executor's cost log, which removes it."""
-    qcfg, acfg = PTQConfig(**ptq), analysis_config(weights, mc_items, harness)
-    path = Path(run_dir)
-    run: LoadedRun | None = None
-    parts = {}
-    with locked(out_dir(path, acfg, qcfg.name)):
-        t = time.perf_counter()
-        damage = read_result(path, acfg, qcfg.name, "summary.json")
-        if not covers(damage, acfg):
-            run = LoadedRun(path, acfg.weights)
-            damage = ptq_damage(path, qcfg, acfg, run)
-        parts["ptq"] = time.perf_counter() - t
-        t = time.perf_counter()
-        metrics = read_result(path, acfg, qcfg.name, "analysis.json")
-        if metrics is None:
-            metrics = ptq_analysis(path, qcfg, acfg, run or LoadedRun(path, acfg.weights))
-        parts["analysis"] = time.perf_counter() - t
-    return {**damage, **metrics, TIMING_KEY: parts}
+def _run_facts(cfg: RunConfig | None) -> dict[str, Any]:
+    return {"optimizer": cfg.optim.name if cfg else None, "size": (cfg.preset or None) if cfg else None}
 
 
-def outliers_job(run_dir: str) -> dict[str, Any]:
-    with locked(Path(run_dir) / "ptq"):
-        return fp_outliers(Path(run_dir))
+def _config_of(path: Path, key: str) -> RunConfig | None:
+    """A run's config for a PTQ or outlier job's cost and record (None if the run cannot be read yet)."""
+    try:
+        return read_config(path)
+    except Exception:  # a job we cannot cost or describe is still run
+        log.debug("no config for %s", key, exc_info=True)
+        return None
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Train one run (FP, Common-Loss re-run or QAT) in `dir`, resuming from its checkpoint."""
+
+    cfg: RunConfig
+    dir: Path
+
+    @property
+    def key(self) -> str:
+        return Path(self.dir).name
+
+    @property
+    def stage(self) -> str:
+        return "qat" if self.cfg.qat is not None else "cl" if self.cfg.train.cl_threshold is not None else "fp"
+
+    def done(self) -> Result | None:
+        return read_summary(self.dir)
+
+    def cost(self) -> float:
+        """Training FLOPs: 6·N·D + attention (cost.training_flops)."""
+        from optquant.cost import meta_model, training_flops
+        from optquant.model import count_params
+        from optquant.train import total_steps
+
+        cfg = self.cfg
+        model = meta_model(cfg)
+        tokens = total_steps(cfg, model) * cfg.train.batch_size * cfg.model.seq_len
+        return training_flops(cfg, count_params(model), tokens)
+
+    def run(self) -> tuple[Result, dict[str, float]]:
+        with locked(Path(self.dir)):
+            return train(self.cfg, Path(self.dir)), {}
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "train", "stage": self.stage, **_run_facts(self.cfg),
+                "part": "qat" if self.stage == "qat" else "training"}
+
+
+@dataclass(frozen=True)
+class PTQJob:
+    """PTQ damage + outliers + ABC of one (model, scheme). The model, its tokens and the quantized copy
+    are loaded and built once for both parts; what an earlier attempt wrote is reused if it covers the
+    evaluations asked for (`analysis.mc_items`, the lm-eval tasks of `analysis.harness`)."""
+
+    dir: Path
+    ptq: PTQConfig
+    analysis: AnalysisConfig
+
+    @property
+    def key(self) -> str:
+        return f"{Path(self.dir).name}/{self.analysis.weights}/{self.ptq.name}"
+
+    stage = "ptq"
+
+    def _read(self) -> tuple[Result | None, Result | None]:
+        a, name = self.analysis, self.ptq.name
+        return read_result(self.dir, a, name, "damage"), read_result(self.dir, a, name, "analysis")
+
+    def done(self) -> Result | None:
+        damage, metrics = self._read()
+        return {**damage, **metrics} if covers(damage, self.analysis) and metrics is not None else None  # else redo
+
+    def cost(self) -> float:
+        cfg = _config_of(Path(self.dir), self.key)
+        return 0.0 if cfg is None else forward_cost(cfg, 12)
+
+    def run(self) -> tuple[Result, dict[str, float]]:
+        path, qcfg, acfg = Path(self.dir), self.ptq, self.analysis
+        loaded: LoadedRun | None = None
+        parts = {}
+        with locked(out_dir(path, acfg, qcfg.name)):
+            t = time.perf_counter()
+            damage = read_result(path, acfg, qcfg.name, "damage")
+            if not covers(damage, acfg):
+                loaded = LoadedRun(path, acfg.weights)
+                damage = ptq_damage(path, qcfg, acfg, loaded)
+            parts["ptq"] = time.perf_counter() - t
+            t = time.perf_counter()
+            metrics = read_result(path, acfg, qcfg.name, "analysis")
+            if metrics is None:
+                metrics = ptq_analysis(path, qcfg, acfg, loaded or LoadedRun(path, acfg.weights))
+            parts["analysis"] = time.perf_counter() - t
+        return {**damage, **metrics}, parts
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "ptq", "stage": self.stage, **_run_facts(_config_of(Path(self.dir), self.key)), "part": "ptq"}
+
+
+@dataclass(frozen=True)
+class OutliersJob:
+    """The FP model's outlier metrics alone (MMR vs learning rate), for a study without sweep schemes."""
+
+    dir: Path
+
+    @property
+    def key(self) -> str:
+        return f"{Path(self.dir).name}/outliers"
+
+    stage = "outliers"
+
+    def done(self) -> Result | None:
+        from optquant.files import read_json
+
+        path = RunDir(self.dir).outliers("final")
+        return read_json(path) if path.exists() else None
+
+    def cost(self) -> float:
+        cfg = _config_of(Path(self.dir), self.key)
+        return 0.0 if cfg is None else forward_cost(cfg, 2)
+
+    def run(self) -> tuple[Result, dict[str, float]]:
+        with locked(RunDir(self.dir).ptq()):
+            return fp_outliers(Path(self.dir)), {}
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "outliers", "stage": self.stage, **_run_facts(_config_of(Path(self.dir), self.key)),
+                "part": "analysis"}

@@ -4,7 +4,7 @@ Counting jobs makes a poor clock: a study's jobs differ a thousandfold in cost (
 second, a QAT run at the largest size minutes), and the slow QAT stage comes after the fast PTQ jobs. So
 the plan is priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start: its
 expected job count (the dry run's stages, study/dryrun.py, with one LR extension round per search as
-`estimate_jobs` assumes and half of any other upper bound) and a prior cost per job (training FLOPs, or
+`expected` assumes, and half of any other upper bound) and a prior cost per job (training FLOPs, or
 PTQ forward passes, at `CPU_FLOPS`; half the CL upper bound). Each costs.jsonl record (study/executor.py)
 then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best
 LR's runs, under the machine's current load); for CL and QAT, its FP twin's mean times the CL/FP or
@@ -25,7 +25,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from optquant.study.spec import StudySpec, estimate_jobs, run_config
+from optquant.study.spec import StudySpec, run_config
 
 CPU_FLOPS = 2e9  # prior effective FLOP/s of one CPU worker on these small models; corrected by the first jobs
 QAT_OVER_FP = 1.3  # prior QAT/FP cost ratio (QuEST's quantizers), corrected once a QAT run finishes
@@ -51,7 +51,7 @@ class Cell:
 
 def expected(stage: str, spec: StudySpec) -> float:
     """The share of a dry-run stage's upper bound (study/dryrun.py) a study is expected to run: one of the
-    `lr_extensions` rounds (what `estimate_jobs` assumes), half of any other bound, all of the rest."""
+    `lr_extensions` rounds, half of any other bound, all of the rest."""
     if "extension" in stage:
         return min(1.0, 1 / max(1, spec.lr_extensions))
     return 0.5 if "bound" in stage else 1.0
@@ -200,13 +200,14 @@ def spec_from_dict(d: dict) -> StudySpec:
 def replay(spec: StudySpec, records: list[dict], start: float | None = None) -> list[dict]:
     """Feed a recorded costs.jsonl in order of completion; after each job: the time, jobs done, the true
     remaining time (to the last job's end), this module's ETA and tqdm's job-count ETA as `optquant
-    study` showed it before (total = estimate_jobs, grown when exceeded; tqdm's EMA rate, smoothing 0.3)."""
+    study` showed it before (total = the planned jobs, grown when exceeded; tqdm's EMA rate, smoothing 0.3)."""
     from tqdm.std import EMA
 
     records = sorted(records, key=lambda r: r["end"])
     start = min(r["start"] for r in records) if start is None else start
     end, est = records[-1]["end"], CostETA(spec, start)
-    total, dn, dt, last_t, last_n, out = estimate_jobs(spec), EMA(0.3), EMA(0.3), start, 0, []
+    total = round(sum(c.planned for c in est.cells.values()))
+    dn, dt, last_t, last_n, out = EMA(0.3), EMA(0.3), start, 0, []
     for i, r in enumerate(records, 1):
         est.record(r)
         t = r["end"]

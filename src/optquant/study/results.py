@@ -29,14 +29,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from optquant.checkpoint import atomic_write_json
 from optquant.errors import OptquantError
-from optquant.files import check_numeric_columns, read_json, read_parquet
+from optquant.files import atomic_write_json, check_numeric_columns, read_json, read_parquet, write_parquet
 from optquant.metrics.outliers import OUTLIER_METRICS
-from optquant.ptq_stage import AnalysisConfig, read_result, write_parquet
-from optquant.runs import read_config, read_summary
+from optquant.ptq_stage import AnalysisConfig, read_result
+from optquant.runs import RunDir, read_config, read_summary
 from optquant.scaling import FitConfig, ScalingPoint, fit_joint, fit_laws, judge
 from optquant.study.correlate import correlate
+from optquant.study.tuning import LRSearch
 
 log = logging.getLogger(__name__)
 TIMING = ("mean_step_seconds", "tokens_per_s")
@@ -64,18 +64,18 @@ def _base(run: Path, summary: dict, kind: str, size: str, best: bool) -> dict[st
             "budget_params": cfg.train.budget_params}
 
 
-def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> pd.DataFrame:
+def gather(study, found: dict[tuple[str, str], LRSearch], thresholds: dict, cl_paths: dict, qat: dict) -> pd.DataFrame:
     rows: list[dict[str, Any]] = []
     sweep = AnalysisConfig(weights="final")
-    for (_, size), row in table.items():
-        for lr, summaries in row["lrs"].items():
+    for (_, size), search in found.items():
+        for lr, summaries in search.lrs.items():
             for s in summaries:
                 run = study.runs / s["run_id"]
-                base = _base(run, s, "fp", size, lr == row["best"])
+                base = _base(run, s, "fp", size, lr == search.best)
                 rows += _rows(base, "none", {**s, "diverged": float(s["status"] == "diverged")},
                               (*FP_METRICS, "diverged"))
-                rows += _rows(base, "none", {"best_lr_at_edge": float(row["status"] == "cap"),
-                                             "lr_bracketed": float(row["status"] == "bracketed")},
+                rows += _rows(base, "none", {"best_lr_at_edge": float(search.status == "cap"),
+                                             "lr_bracketed": float(search.status == "bracketed")},
                               ("best_lr_at_edge", "lr_bracketed"))
                 rows += _sweep_rows(study, run, base, sweep)
     acfg = AnalysisConfig(weights="cl")
@@ -85,8 +85,8 @@ def gather(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> p
         rows += _rows(base, "none", {"cl_threshold": thresholds[size], "cl_step": s["cl_step"]},
                       ("cl_threshold", "cl_step"))
         for scheme in study.spec.ptq_schemes:
-            damage = read_result(run, acfg, scheme, "summary.json") or {}
-            metrics = read_result(run, acfg, scheme, "analysis.json") or {}
+            damage = read_result(run, acfg, scheme, "damage") or {}
+            metrics = read_result(run, acfg, scheme, "analysis") or {}
             tasks_fp, tasks_q = task_scores(damage, "fp"), task_scores(damage, "q")
             if scheme == study.spec.ptq_schemes[0]:  # FP numbers of the CL model, once
                 rows += _rows(base, "none", _side(damage, metrics, "fp"), ("val_loss", "mc_acc", "mc_acc_norm",
@@ -138,12 +138,12 @@ def _sweep_rows(study, run: Path, base: dict, acfg: AnalysisConfig) -> list[dict
     """An FP run's final model: its outliers, and each sweep scheme's damage and ABC terms."""
     rows = []
     for i, scheme in enumerate(study.spec.sweep_ptq_schemes):
-        damage = read_result(run, acfg, scheme, "summary.json") or {}
-        metrics = read_result(run, acfg, scheme, "analysis.json") or {}
+        damage = read_result(run, acfg, scheme, "damage") or {}
+        metrics = read_result(run, acfg, scheme, "analysis") or {}
         if i == 0:
             rows += _rows(base, "none", metrics, OUTLIER_METRICS)
         rows += _rows(base, scheme, _side(damage, metrics, "q"), PTQ_METRICS)
-    outliers = run / "ptq" / "final" / "outliers.json"
+    outliers = RunDir(run).outliers("final")
     if not study.spec.sweep_ptq_schemes and outliers.exists():
         rows += _rows(base, "none", read_json(outliers), OUTLIER_METRICS)
     return rows
@@ -244,24 +244,27 @@ def fit_task(task: tuple[str, list[ScalingPoint], FitConfig]) -> tuple[str, Any]
         return name, str(e)
 
 
-def write_results(study, table: dict, thresholds: dict, cl_paths: dict, qat: dict) -> pd.DataFrame:
-    df = gather(study, table, thresholds, cl_paths, qat)
+def write_results(study, found: dict[tuple[str, str], LRSearch], thresholds: dict, cl_paths: dict,
+                  qat: dict) -> pd.DataFrame:
+    df = gather(study, found, thresholds, cl_paths, qat)
     write_parquet(study.root / "results.parquet", df)
     corr = correlations(df)
     write_parquet(study.root / "correlations.parquet", corr)
     local = study.pool is not None and study.spec.executor == "local" and study.spec.workers > 1
     pool = study.pool.get() if local else None  # the fits on the study's workers, in parallel
     atomic_write_json(study.root / "fits.json", fits(df, study.spec.fit_interval, pool.map if pool else map))
-    atomic_write_json(study.root / "best.json", {
-        f"{o}/{s}": {"best_lr": r["best"], "status": r["status"], "reason": r["reason"],
-                     "loss": r["best_loss"] if math.isfinite(r["best_loss"]) else None,
-                     "seeds": len(r["lrs"].get(r["best"], [])), "ratios": r.get("ratios", {}),
-                     "ratio_status": r.get("ratio_status", {}),
-                     "ratio_search": {f: {repr(x): (v if math.isfinite(v) else None) for x, v in sorted(xs.items())}
-                                      for f, xs in r.get("ratio_search", {}).items()},
-                     "groups": r.get("groups", [])} for (o, s), r in table.items()})
+    atomic_write_json(study.root / "best.json", {f"{o}/{s}": best_record(r) for (o, s), r in found.items()})
     log.info("results: %d rows, %d correlations", len(df), len(corr))
     return df
+
+
+def best_record(r: LRSearch) -> dict[str, Any]:
+    """best.json's entry of one (optimizer, size)."""
+    return {"best_lr": r.best, "status": r.status, "reason": r.reason, "loss": r.best_loss if r.converged else None,
+            "seeds": len(r.best_runs()), "ratios": r.ratios, "ratio_status": r.ratio_status,
+            "ratio_search": {f: {repr(x): (v if math.isfinite(v) else None) for x, v in sorted(xs.items())}
+                             for f, xs in r.ratio_search.items()},
+            "groups": r.groups}
 
 
 def refit(study_dir: Path, interval: str = "bootstrap") -> dict[str, Any]:

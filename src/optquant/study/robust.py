@@ -23,7 +23,7 @@ from typing import Any
 
 import pandas as pd
 
-from optquant.ptq_stage import write_parquet
+from optquant.files import write_parquet
 from optquant.runs import read_summary
 
 ROBUST_FILE = "robust.parquet"

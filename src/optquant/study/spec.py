@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from optquant.config import RunConfig, apply_overrides, parse_value, run_preset, set_field
+from optquant.config import RunConfig, override, parse_overrides, parse_value, run_preset, set_field
 from optquant.errors import OptquantError
 from optquant.harness import HarnessConfig, check_harness
 from optquant.optim import OPTIMIZERS, is_optimizer, optimizer_config
@@ -63,12 +63,14 @@ class StudySpec:
 
 
 def run_config(spec: StudySpec, size: str, opt: str, lr: float | None = None, seed: int = 0,
-               extra: tuple = ()) -> RunConfig:
-    """One run of the study as the planner builds it (`lr` None: the optimizer's default)."""
-    lr_set = () if lr is None else (f"optim.lr={lr}",)
-    cfg = apply_overrides(run_preset(size), [*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()),
-                                             *lr_set, f"seed={seed}", *extra])
-    return replace(cfg, name=f"{spec.name}-{size}")
+               settings: dict[str, Any] | None = None, extra: tuple[str, ...] = ()) -> RunConfig:
+    """One run of the study as the planner builds it (`lr` None: the optimizer's default). `settings`: the
+    planner's own (typed) fields, e.g. a tied group's ratio or a Common-Loss threshold; `extra`: settings as
+    the user wrote them (`field=value`: a swept value, a robust entry), parsed by type like `spec.run`."""
+    base = run_preset(size)
+    values = parse_overrides(base, [*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()), *extra])
+    values |= {**({} if lr is None else {"optim.lr": lr}), "seed": seed, **(settings or {})}
+    return replace(override(base, values), name=f"{spec.name}-{size}")
 
 
 def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
@@ -85,9 +87,9 @@ def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
 def _caps(cap: int) -> dict[str, tuple[str, ...]]:
     """Preconditioner size caps scaled to the model, keeping the paper's regime: the vocabulary
     dimension is above the cap (diagonal/unpreconditioned/blocked) and every hidden dimension below it
-    (the paper: 12288 with vocab 32000 and hidden widths up to 8192)."""
-    return {"psgd": (f"optim.max_size_triangular={cap}",), "soap": (f"optim.max_precondition_dim={cap}",),
-            "shampoo": (f"optim.max_preconditioner_dim={cap}",)}
+    (the paper: 12288 with vocab 32000 and hidden widths up to 8192), for every optimizer that has a cap."""
+    return {o: (f"optim.max_precondition_dim={cap}",) for o, c in OPTIMIZERS.items()
+            if hasattr(c, "max_precondition_dim")}
 
 
 def smoke() -> StudySpec:
@@ -111,8 +113,9 @@ _FP32_NS = ("optim.ns_dtype=fp32",)
 
 
 def _cpu_per_optimizer() -> dict[str, tuple[str, ...]]:
-    caps = _caps(512)
-    return {**caps, "muon": _FP32_NS, "scion": _FP32_NS}
+    """The caps at 512, and Newton–Schulz in fp32 for every optimizer that has one."""
+    caps, ns = _caps(512), {o: _FP32_NS for o, c in OPTIMIZERS.items() if hasattr(c, "ns_dtype")}
+    return {o: caps.get(o, ()) + ns.get(o, ()) for o in {**caps, **ns}}
 
 
 def cpu() -> StudySpec:
@@ -185,19 +188,3 @@ def _known_optimizer(name: str, where: str) -> str:
     if not is_optimizer(name):
         raise OptquantError(f"{where}: unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
     return name
-
-
-def estimate_jobs(spec: StudySpec) -> int:
-    """Jobs the study will run (for the progress display): the initial grid plus one extension and one
-    refinement per (optimizer, size), the tied groups' ratio grids and the LR grid again, its PTQ, and the
-    per-seed best-LR, CL, PTQ and QAT jobs."""
-    groups = {o: len(getattr(type(optimizer_config(o)), "GROUP_LRS", {})) if spec.tune_groups else 0
-              for o in spec.optimizers}  # each tied group: a 3-point ratio grid, then the LR grid once more
-    grid = sum(len(lr_grid(spec, o)) + 1 + spec.lr_refine + groups[o] * 3 + bool(groups[o]) * spec.lr_points
-               for o in spec.optimizers) * len(spec.sizes)
-    sweeps = sum(len(v) for opt in spec.sweeps.values() for v in opt.values())
-    per_seed = len(spec.optimizers) * len(spec.sizes) * len(spec.seeds)
-    extra_seeds = len(spec.optimizers) * len(spec.sizes) * (len(spec.seeds) - 1)
-    robust = per_seed * len(spec.robust) * (2 + len(spec.ptq_schemes))  # run, CL PTQ, final PTQ
-    return (sweeps + (grid + extra_seeds) * (1 + len(spec.sweep_ptq_schemes))
-            + per_seed * (1 + len(spec.ptq_schemes) + len(spec.qat_bits)) + robust)

@@ -33,6 +33,38 @@ Key = tuple[str, str]  # (optimizer, size)
 Runner = Callable[[str, dict[Hashable, RunConfig]], dict[Hashable, dict[str, Any]]]
 
 
+@dataclass(frozen=True)
+class LRSearch:
+    """One (optimizer, size)'s step sizes as the study chose them: every LR tried (the first seed's summary;
+    at the best LR, every seed's), the best LR and whether the search bracketed it (study/bracket.py), the mean
+    final loss over the best LR's seeds, the tied groups' ratios with their searches, and each parameter
+    group's step size as built (`step_sizes`). `sweeps`: the optimizer's swept settings (`field=value`)."""
+
+    lrs: dict[float, list[dict[str, Any]]]
+    best: float | None
+    status: str
+    reason: str
+    best_loss: float
+    sweeps: tuple[str, ...] = ()
+    ratios: dict[str, float] = field(default_factory=dict)
+    ratio_search: dict[str, dict[float, float]] = field(default_factory=dict)
+    ratio_status: dict[str, str] = field(default_factory=dict)
+    groups: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def converged(self) -> bool:
+        return math.isfinite(self.best_loss)
+
+    def best_runs(self) -> list[dict[str, Any]]:
+        """The summaries of the best LR's runs, one per seed."""
+        return self.lrs.get(self.best, []) if self.best is not None else []
+
+    def settings(self) -> dict[str, Any]:
+        """What every later run of this (optimizer, size) is trained with: the tied groups' ratios (the
+        sweeps are `sweeps`, as the user wrote them)."""
+        return ratio_settings(self.ratios)
+
+
 @dataclass
 class Tuning:
     """One (optimizer, size)'s search: its LR runs at the final ratios, the ratios and their searches."""
@@ -72,8 +104,9 @@ def centred(x: float, step: float, points: int) -> list[float]:
     return [round_lr(x * step ** (i - (points - 1) / 2)) for i in range(points)]
 
 
-def ratio_overrides(ratios: dict[str, float]) -> tuple[str, ...]:
-    return tuple(f"optim.{r}={v!r}" for r, v in sorted(ratios.items()))
+def ratio_settings(ratios: dict[str, float]) -> dict[str, float]:
+    """The run settings of the tied groups' ratios."""
+    return {f"optim.{r}": v for r, v in sorted(ratios.items())}
 
 
 def search(run: Runner, stage: str, grids: dict[Hashable, list[float]], config: Callable[[Hashable, float], RunConfig],

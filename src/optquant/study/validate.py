@@ -88,15 +88,17 @@ def _check_runs(spec: StudySpec) -> None:
                 _run(spec, f"seeds={seed}", size, opt, None, seed)
             for b in spec.qat_bits:
                 _run(spec, f"qat_bits={b}", size, opt, None, spec.seeds[0],
-                     ("qat.method=quest", f"qat.w_bits={b}", f"qat.a_bits={b}"))
+                     {"qat.method": "quest", "qat.w_bits": b, "qat.a_bits": b})
         for param, values in spec.sweeps.get(opt, {}).items():
             _list(f"sweeps.{opt}.{param}", values)
             for v in values:
-                _run(spec, f"sweeps.{opt}.{param}={v}", spec.sizes[0], opt, None, spec.seeds[0], (f"{param}={v}",))
+                _run(spec, f"sweeps.{opt}.{param}={v}", spec.sizes[0], opt, None, spec.seeds[0],
+                     extra=(f"{param}={v}",))
 
 
-def _run(spec: StudySpec, what: str, size: str, opt: str, lr: float | None, seed: int, extra: tuple = ()) -> None:
+def _run(spec: StudySpec, what: str, size: str, opt: str, lr: float | None, seed: int,
+         settings: dict | None = None, extra: tuple[str, ...] = ()) -> None:
     try:
-        run_config(spec, size, opt, lr, seed, extra)
+        run_config(spec, size, opt, lr, seed, settings, extra)
     except OptquantError as e:
         raise OptquantError(f"{what}: {e}") from None
