@@ -292,7 +292,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-@functools.cache  # get_type_hints re-evaluates every annotation: ~20 % of a smoke study's time uncached
+# get_type_hints re-evaluates every annotation: a large share of a smoke study's time uncached (docs/benchmarks.md)
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

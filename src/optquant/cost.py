@@ -145,7 +145,7 @@ def meta_model(cfg) -> nn.Module:
     from optquant.model import LM
     from optquant.train import build_model
 
-    # no init on meta: torch's normal_ decomposition costs ~10 ms a tensor there, and shapes need none
+    # no init on meta: torch's normal_ decomposition is slow there (docs/benchmarks.md), and shapes need none
     with torch.device("meta"), mock.patch.object(LM, "reset_parameters", lambda self: None):
         return build_model(cfg)
 

@@ -1,6 +1,6 @@
 """AdamW: `torch.optim.AdamW(fused=True)`, one instance over all groups (the authors' code).
 
-Fused matches foreach to ~5e-8 relative and is ~4× faster on this CPU (dependencies.md §1.3).
+Fused matches foreach to ~5e-8 relative and is faster (docs/benchmarks.md; dependencies.md §1.3).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Left out: Muon's distributed variant (the authors ran the single-device one).
 
 Newton–Schulz runs in `ns_dtype`: "bf16" is torch's (and the authors') choice, and with it our step is
 bitwise `torch.optim.Muon`'s (tests/test_optim.py); "fp32" iterates in fp32, for CPUs where bf16 matmuls
-are emulated (~47× slower); "auto" (default) picks between them as `train.precision=auto` does.
+are emulated (far slower; docs/benchmarks.md); "auto" (default) picks between them as `train.precision=auto` does.
 """
 
 from __future__ import annotations

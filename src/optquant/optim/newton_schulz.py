@@ -1,7 +1,7 @@
 """The quintic Newton–Schulz iteration of Muon and Scion, in a chosen dtype.
 
 `torch.optim.Muon` and `pytorch_optimizer.SCION` both hard-code bf16 for it (KellerJordan/Muon's choice,
-made for GPUs). On a CPU without native bf16 that is emulated and ~47× slower than fp32, so both
+made for GPUs). On a CPU without native bf16 that is emulated and far slower than fp32 (docs/benchmarks.md), so both
 optimizers here call this one function with `dtype` from their `ns_dtype` setting (`device.use_bf16`
 decides `auto`). In bf16 it performs the libraries' operations in their order, so its result is bitwise
 theirs (tests/test_optim.py holds that against both libraries); in fp32 it is the same iteration with

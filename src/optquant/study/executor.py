@@ -8,8 +8,8 @@ batch again.
 - `local`: a pool of `workers` spawned processes; the machine's cores are split evenly between them
   (torch threads per worker = cores // workers). workers=1 runs jobs in this process. The workers die
   with the study process, however it ends (prctl PDEATHSIG on Linux). A study keeps one `WorkerPool`
-  for all its stages: a worker's start (spawn, then importing torch and optquant: ~7 s of CPU) is paid
-  once per study, not once per stage.
+  for all its stages: a worker's start (spawn, then importing torch and optquant: seconds of CPU,
+  docs/benchmarks.md) is paid once per study, not once per stage.
 - `slurm`: submitit's AutoExecutor (one Slurm job per study job); `submitit-local` is submitit's local
   executor, which runs the same code path on this machine and is how the Slurm route is tested.
 

@@ -1,6 +1,6 @@
 """StudySpec: the whole study as data, with presets and TOML/dotted overrides.
 
-A preset is a plain function returning a StudySpec. `smoke` runs the whole pipeline in a minute (CI);
+A preset is a plain function returning a StudySpec. `smoke` runs the whole pipeline at toy scale (CI);
 `cpu` (the default) is the study this README reports, sized for a 2-core CPU; `cpu-thorough` the fuller
 design (more seeds, a wider span of sizes); `gpu` is one GPU at ~50M–125M; `paper` is the paper's grid
 (50M…1.5B, 8 learning rates, 20 tokens per parameter).
