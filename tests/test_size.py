@@ -21,8 +21,11 @@ from pathlib import Path
 # added ~456. Issue 21 (files received from others: the study-spec validator, record checks on read, guarded
 # export, HF config/weights checks, plugin errors, O_NOFOLLOW writes) added 342. All four merged: budget 14,000.
 # The peer seams (lm-eval's own request encoding in the adapter; --tokenizer / --tokens for a checkpoint without
-# a tokenizer; llm-compressor's / torchao's int grid) added 91 (14,033): budget 14,040.
-BUDGET = 14_040
+# a tokenizer; llm-compressor's / torchao's int grid) added 91 (14,033): budget 14,040. Issue 24's rooms added
+# ~265 (14,298): jobs that own their knowledge (study/jobs.py's TrainJob/PTQJob/OutliersJob with done, cost, run,
+# describe: +130, the executor −80), runs.RunDir (+60), typed overrides (config.override, +40), optimizers owning
+# their state sizes, cap and ranges (+46), field_range for the generated docs (+14): budget 14,300.
+BUDGET = 14_300
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 
