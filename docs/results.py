@@ -46,7 +46,7 @@ HEADER = """\
 # Results of the default study
 
 `optquant report studies/{name} --markdown` of the `{name}` study (`optquant study --preset {name}`),
-pasted unedited by `{command}`; the README's section "The default study, measured" reads it.
+pasted unedited by `{command}`; the README's section "What the default study finds" quotes it.
 docs/results/ holds the files of that study the markdown reads, and tests/test_docs.py rebuilds this page
 from them.
 
