@@ -357,11 +357,9 @@ def parse_overrides(cfg: RunConfig, overrides: list[str]) -> dict[str, Any]:
         key, value = item.split("=", 1)
         pairs.append((key.strip(), value.strip()))
     switches = {k: v for k, v in pairs if k in ("optim.name", "qat")}
-    if "qat" in switches:
-        if switches["qat"].lower() not in ("none", "off", "null"):
-            raise OptquantError("--set qat=...: only qat=none; set qat.method=quest to enable QAT")
-        switches["qat"] = None
-    shape = _switched(cfg, {**switches, **{k: None for k, _ in pairs if k.startswith("qat.")}})
+    if switches.get("qat", "").lower() in ("none", "off", "null"):
+        switches["qat"] = None  # anything else is _switched's error
+    shape = _switched(cfg, {**dict.fromkeys(k for k, _ in pairs), **switches})  # the fields the values go to
     values: dict[str, Any] = {}
     for key, value in pairs:
         values.pop(key, None)  # the last one wins, in its place

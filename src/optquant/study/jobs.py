@@ -59,15 +59,13 @@ class Job(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
-def forward_cost(cfg: RunConfig, forwards: int) -> float:
-    """~`forwards` forward passes of the run's N parameters over its evaluation tokens (eval batches ×
-    micro-batch × T): 2·N FLOPs per token and pass."""
-    from optquant.cost import meta_model
+def forward_cost(path: Path, key: str, stage: str) -> float:
+    """A PTQ or outlier job's FLOPs (cost.eval_flops); 0 while its run's config cannot be read."""
+    from optquant.cost import EVAL_FORWARDS, eval_flops, meta_model
     from optquant.model import count_params
 
-    tc = cfg.train
-    tokens = tc.eval_batches * tc.batch_size // tc.grad_accum * cfg.model.seq_len
-    return 2.0 * count_params(meta_model(cfg)) * tokens * forwards
+    cfg = _config_of(path, key)
+    return 0.0 if cfg is None else eval_flops(cfg, count_params(meta_model(cfg)), EVAL_FORWARDS[stage])
 
 
 def _run_facts(cfg: RunConfig | None) -> dict[str, Any]:
@@ -146,8 +144,7 @@ class PTQJob:
         return {**damage, **metrics} if covers(damage, self.analysis) and metrics is not None else None  # else redo
 
     def cost(self) -> float:
-        cfg = _config_of(Path(self.dir), self.key)
-        return 0.0 if cfg is None else forward_cost(cfg, 12)
+        return forward_cost(self.dir, self.key, self.stage)
 
     def run(self) -> tuple[Result, dict[str, float]]:
         path, qcfg, acfg = Path(self.dir), self.ptq, self.analysis
@@ -190,8 +187,7 @@ class OutliersJob:
         return read_json(path) if path.exists() else None
 
     def cost(self) -> float:
-        cfg = _config_of(Path(self.dir), self.key)
-        return 0.0 if cfg is None else forward_cost(cfg, 2)
+        return forward_cost(self.dir, self.key, self.stage)
 
     def run(self) -> tuple[Result, dict[str, float]]:
         with locked(RunDir(self.dir).ptq()):

@@ -62,7 +62,7 @@ def plan_cells(spec: StudySpec) -> dict[tuple[str, str, str], Cell]:
     the dry run's stages (study/dryrun.py `stages`, scaled by `expected`) and its FLOPs."""
     from collections import Counter
 
-    from optquant.cost import DEFAULT_GPU
+    from optquant.cost import DEFAULT_GPU, EVAL_FORWARDS, eval_flops
     from optquant.study.dryrun import cl_fraction, run_costs, stages
 
     budgets = run_costs(spec, DEFAULT_GPU)
@@ -74,15 +74,15 @@ def plan_cells(spec: StudySpec) -> dict[tuple[str, str, str], Cell]:
             runs[cls][k] += n * expected(st.name, spec)
     n_seeds, out = len(spec.seeds), {}
     for (o, s), b in budgets.items():
-        tc, mc = run_config(spec, s, o).train, run_config(spec, s, o).model
-        forward = 2.0 * b.n_params * tc.eval_batches * tc.batch_size * mc.seq_len / CPU_FLOPS
+        cfg = run_config(spec, s, o)
+        forward = {kind: eval_flops(cfg, b.n_params, n) / CPU_FLOPS for kind, n in EVAL_FORWARDS.items()}
         train, fp = b.flops / CPU_FLOPS, runs["fp"][(o, s)]
         out[("fp", o, s)] = Cell(fp + runs["sweeps"][(o, s)], train)
         # cl_fraction is an upper bound (a CL run stops at its crossing, on average halfway through the interval)
         out[("cl", o, s)] = Cell(runs["cl"][(o, s)], train * cl_fraction(spec, o, s, b) / 2)
-        out[("ptq", o, s)] = Cell(n_seeds * len(spec.ptq_schemes) + fp * len(spec.sweep_ptq_schemes), 12 * forward)
+        out[("ptq", o, s)] = Cell(n_seeds * len(spec.ptq_schemes) + fp * len(spec.sweep_ptq_schemes), forward["ptq"])
         if not spec.sweep_ptq_schemes:
-            out[("outliers", o, s)] = Cell(fp, 2 * forward)
+            out[("outliers", o, s)] = Cell(fp, forward["outliers"])
         out[("qat", o, s)] = Cell(runs["qat"][(o, s)], train * QAT_OVER_FP)
     return {k: c for k, c in out.items() if c.planned > 0}
 
