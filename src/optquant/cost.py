@@ -155,14 +155,11 @@ def training_flops(cfg, n_matmul: int, tokens: int) -> float:
     return 6.0 * n_matmul * tokens + 12.0 * m.n_layer * m.d_model * m.seq_len * tokens
 
 
-# forward passes over a run's evaluation batches: a PTQ job (FP and quantized evaluations, GPTQ's calibration,
-# outliers and ABC) and an outlier job (the FP model's outliers alone)
-EVAL_FORWARDS = {"ptq": 12, "outliers": 2}
+EVAL_FORWARDS = {"ptq": 12, "outliers": 2}  # over the eval batches: PTQ (FP, quantized, GPTQ, ABC); FP outliers
 
 
 def eval_flops(cfg, n_params: int, forwards: int) -> float:
-    """`forwards` forward passes of N parameters over the run's evaluation tokens (eval batches × micro-batch
-    × T): 2·N FLOPs per token and pass."""
+    """`forwards` passes of N parameters over the eval tokens (batches × micro-batch × T), 2·N FLOPs a token."""
     tc = cfg.train
     return 2.0 * n_params * tc.eval_batches * (tc.batch_size // tc.grad_accum) * cfg.model.seq_len * forwards
 

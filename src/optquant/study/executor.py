@@ -38,9 +38,7 @@ from typing import TYPE_CHECKING, Any
 from optquant.files import open_nofollow
 
 if TYPE_CHECKING:
-    from optquant.study.jobs import Job
-
-Result = dict[str, Any]
+    from optquant.study.jobs import Job, Result
 
 log = logging.getLogger(__name__)
 
