@@ -24,7 +24,7 @@ SRC = Path(optquant.__file__).parent
 LAYERS = [
     {"", "errors"},  # "" = the optquant package itself
     {"device", "files", "tracking", "compiled"},
-    {"model", "data", "checkpoint", "distributed", "evaluate", "scaling", "stats"},
+    {"model", "data", "corpus", "checkpoint", "distributed", "evaluate", "scaling", "stats"},
     {"optim", "quant"},
     {"config", "runs"},
     {"metrics", "harness"},

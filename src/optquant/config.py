@@ -96,10 +96,11 @@ def run_preset(name: str) -> RunConfig:
 
 
 def config_hash(cfg: Any) -> str:
-    """The run id's hash. Left out: `log` (where a run is logged), `preset` (a label) and `train.compile`
-    (how it executes) are not which run it is, and run ids from before those settings existed stay valid;
-    so does `robust` with method "none" (the plain run, as before the section existed). A renamed optimizer
-    field is hashed under its old name (the config's LEGACY_NAMES), so the rename kept every run id."""
+    """The run id's hash. Left out: `log` (where a run is logged), `preset` (a label), `train.compile` (how
+    it executes) and `data.max_epochs` (a guard) are not which run it is, and run ids from before those settings
+    existed stay valid; so does `robust` with method "none" (the plain run, as before the section existed). A
+    renamed optimizer field is hashed under its old name (the config's LEGACY_NAMES), so the rename kept every
+    run id."""
     data = to_dict(cfg)
     for new, old in getattr(getattr(cfg, "optim", None), "LEGACY_NAMES", {}).items():
         data["optim"][old] = data["optim"].pop(new)
@@ -110,6 +111,8 @@ def config_hash(cfg: Any) -> str:
             data.pop("robust", None)
     if isinstance(data.get("train"), dict):
         data["train"].pop("compile", None)
+    if isinstance(data.get("data"), dict):
+        data["data"].pop("max_epochs", None)  # a guard on the run, not which run it is
     return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
 
 

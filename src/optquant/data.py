@@ -18,8 +18,13 @@ user's own .txt / .jsonl / .parquet files.
 Text files: a .txt file is split into documents at the literal `<|endoftext|>` marker (the
 convention of GPT-2-style dumps such as TinyStories); a file without it is one document.
 
-Left out on purpose: streaming corpora larger than memory (documents are read into RAM), document
-masking in attention, epochs (sampling is with replacement, as in the authors' code).
+A corpus larger than memory is prepared once by `optquant data prepare` (optquant.corpus: token shards
+and a manifest, streamed, in parallel) and memory-mapped from there when `data.source` names its
+directory; the embedded corpus and a user's raw files (read into RAM) go the way above. `check_epochs`
+refuses a run that would repeat its training tokens more than `data.max_epochs` times.
+
+Left out on purpose: document masking in attention, epochs as a sampling unit (sampling is with
+replacement, as in the authors' code).
 """
 
 from __future__ import annotations
@@ -37,15 +42,17 @@ import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 import tokenizers
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from optquant.errors import OptquantError
 from optquant.files import temp_path
+
+if TYPE_CHECKING:  # torch only where batches are drawn: `optquant data prepare` and its workers never load it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +73,15 @@ class DataConfig:
     val_fraction: float = 0.05  # expected share of documents held out
     split_seed: int = 0
     cache_dir: str = ""  # "" → $OPTQUANT_CACHE or ~/.cache/optquant
+    # Refuse a run that would see its training tokens more often (train, study; not part of the run id).
+    # Muennighoff et al. 2023 find repeated tokens worth ever less past ~4 epochs and next to nothing past ~16.
+    max_epochs: float = 16.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.val_fraction < 1.0:
             raise OptquantError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if not self.max_epochs > 0:
+            raise OptquantError(f"data.max_epochs must be positive, got {self.max_epochs}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -350,8 +362,29 @@ def _open(entry: Path, key: str) -> TokenData:
         raise OptquantError(f"corrupt token cache entry {entry} ({type(e).__name__}: {e}): delete it") from None
 
 
+def _prepared(cfg: DataConfig, vocab_size: int) -> TokenData:
+    """A corpus `optquant data prepare` wrote (corpus/manifest.py): its shards, tokenizer and split."""
+    from optquant.corpus.manifest import open_prepared
+
+    p = open_prepared(cfg.source, _cache_root(cfg))
+    if p.vocab_size > vocab_size:
+        raise OptquantError(f"data.source={cfg.source}: its tokenizer has {p.vocab_size} tokens, more than "
+                            f"model.vocab_size={vocab_size}; --set model.vocab_size={p.vocab_size} (or more)")
+    split, ours = p.manifests[0]["split"], (cfg.val_fraction, cfg.split_seed, cfg.text_field)
+    theirs = (split["val_fraction"], split["split_seed"], split["text_field"])
+    if ours != theirs and ours != (0.05, 0, "text"):  # set by the user, unlike what the corpus was prepared with
+        raise OptquantError(f"data.source={cfg.source} was prepared with val_fraction, split_seed, text_field = "
+                            f"{theirs}, not {ours}; prepare it again to change them")
+    return TokenData(p.train, p.val, p.vocab_size, Tokenizer.from_file(str(p.tokenizer_file)), p.eot_id, p.corpus_id)
+
+
 def load_tokens(cfg: DataConfig, vocab_size: int) -> TokenData:
-    """Train/val token arrays and the tokenizer for `cfg`, built once and then read from the cache."""
+    """Train/val token arrays and the tokenizer for `cfg`, built once and then read from the cache (or, for a
+    prepared corpus, memory-mapped from its directory)."""
+    from optquant.corpus.manifest import is_prepared
+
+    if is_prepared(cfg.source):
+        return _prepared(cfg, vocab_size)
     files = corpus_files(cfg)
     key = _cache_key(files, cfg, vocab_size)
     root = _cache_root(cfg)
@@ -375,6 +408,31 @@ def load_tokens(cfg: DataConfig, vocab_size: int) -> TokenData:
     return _open(entry, key)
 
 
+def train_tokens(cfg: DataConfig, vocab_size: int, raw: bool = True) -> int | None:
+    """The corpus's training tokens: a prepared corpus's from its manifest, the embedded corpus's from its
+    (cached) tokens; a user's raw files are tokenized for it only with `raw` (else None)."""
+    from optquant.corpus.manifest import is_prepared
+    from optquant.corpus.manifest import train_tokens as prepared_tokens
+
+    if is_prepared(cfg.source):
+        return prepared_tokens(cfg.source)
+    return len(load_tokens(cfg, vocab_size).train) if raw or cfg.source == "embedded" else None
+
+
+def epochs(tokens_needed: int, corpus_tokens: int) -> float:
+    """How many times a run drawing `tokens_needed` training tokens sees a corpus of `corpus_tokens`."""
+    return tokens_needed / max(1, corpus_tokens)
+
+
+def check_epochs(cfg: DataConfig, tokens_needed: int, corpus_tokens: int, what: str = "this run") -> None:
+    """Refuse a run that would repeat its corpus more than data.max_epochs times, naming the fix."""
+    e = epochs(tokens_needed, corpus_tokens)
+    if e > cfg.max_epochs:
+        raise OptquantError(f"{what} needs {tokens_needed:,} training tokens but data.source={cfg.source} has "
+                            f"{corpus_tokens:,}: {e:,.1f} epochs > data.max_epochs={cfg.max_epochs:g}; prepare a "
+                            "larger corpus (optquant data prepare SOURCE... --out DIR), then --set data.source=DIR")
+
+
 def check_enough(tokens: np.ndarray, batch_size: int, seq_len: int, split: str) -> None:
     """Raise unless `tokens` holds one batch of distinct windows (B·T + 1 tokens)."""
     need = batch_size * seq_len + 1
@@ -387,11 +445,16 @@ def get_batch(
     tokens: np.ndarray, batch_size: int, seq_len: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y), int64 (B, T): windows at uniform random offsets (with replacement); y is x shifted by one."""
+    import torch
+
     n = len(tokens)
     if n <= seq_len:
         raise OptquantError(f"{n} tokens cannot fill one window of seq_len {seq_len} + 1")
     starts = torch.randint(0, n - seq_len, (batch_size,), generator=generator).numpy()
-    windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int64)  # (B, T+1)
+    if isinstance(tokens, np.ndarray):
+        windows = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int64)  # (B, T+1)
+    else:  # a prepared corpus: windows across all its shards (corpus/manifest.py)
+        windows = tokens.windows(starts, seq_len + 1)
     w = torch.from_numpy(windows)
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
@@ -400,5 +463,7 @@ def fixed_batches(
     tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: int, seed: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same `n_batches` random batches for every call with the same seed: a fixed validation set."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     return [get_batch(tokens, batch_size, seq_len, generator) for _ in range(n_batches)]

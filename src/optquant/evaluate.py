@@ -27,6 +27,8 @@ from torch import Tensor, nn
 
 from optquant.errors import OptquantError
 
+MC_TOKENS = 1 << 24  # validation tokens the built-in task draws its items from
+
 
 @contextlib.contextmanager
 def eval_mode(*models: nn.Module) -> Iterator[None]:
@@ -216,6 +218,7 @@ def mc_accuracy(
 
 
 def mc_eval(model: nn.Module, data, cfg: MCConfig = MCConfig(), **kw) -> MCResult:
-    """The built-in task on a TokenData (`.val`, `.tokenizer`, `.eot_id`)."""
-    items = build_mc_items(data.val, cfg, eot_id=data.eot_id, tokenizer=data.tokenizer)
+    """The built-in task on a TokenData (`.val`, `.tokenizer`, `.eot_id`), drawn from the first MC_TOKENS of
+    the validation split (all of the embedded corpus's; a prepared corpus's val split may not fit in memory)."""
+    items = build_mc_items(data.val[:MC_TOKENS], cfg, eot_id=data.eot_id, tokenizer=data.tokenizer)
     return mc_accuracy(model, items, **kw)

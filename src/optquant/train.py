@@ -36,7 +36,7 @@ from torch import nn
 from optquant import distributed as dist
 from optquant.checkpoint import load_checkpoint, rng_state, save_checkpoint, save_weights, set_rng_state
 from optquant.config import RunConfig, TrainConfig, to_dict, validate
-from optquant.data import check_enough, fixed_batches, get_batch, load_tokens
+from optquant.data import check_enough, check_epochs, fixed_batches, get_batch, load_tokens
 from optquant.device import use_bf16
 from optquant.errors import OptquantError
 from optquant.evaluate import val_loss
@@ -174,10 +174,11 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
     check_enough(data.train, _micro(cfg, ctx), cfg.model.seq_len, "train")
     val_batch = tc.batch_size // tc.grad_accum  # one process's micro-batch, split over the ranks below
     check_enough(data.val, val_batch, cfg.model.seq_len, "val")
+    model = build_model(cfg).to(ctx.device)
+    check_epochs(cfg.data, total_steps(cfg, model) * tc.batch_size * cfg.model.seq_len, len(data.train))
     if ctx.rank == 0:  # after every check of the input: bad input leaves no run directory behind
         write_config(run_dir, cfg)
     tracker = open_tracker(cfg.log, run_dir, to_dict(cfg)) if ctx.rank == 0 else Tracker()  # no-op unless log.to
-    model = build_model(cfg).to(ctx.device)
     optimizers = build_optimizers(model, cfg.optim)
     ddp_model = ctx.wrap(model)
     from optquant.compiled import maybe_compile  # train.compile: the step and the evaluations

@@ -2,7 +2,8 @@
 
 Bad input raises OptquantError anywhere below; main() prints it as one line and exits with status 2.
 One file per group of subcommands: train.py, quant.py (ptq, analyze), study.py (study, fit, report),
-models.py (export, eval); each registers its parsers and holds the functions they call.
+models.py (export, eval), data.py (data prepare, data info); each registers its parsers and holds the
+functions they call.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import typing
 import warnings
 
-from optquant.cli import models, quant, study, train
+from optquant.cli import data, models, quant, study, train
 from optquant.device import keep_freed_memory
 from optquant.errors import OptquantError
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_parsers(sub)
     study.add_parsers(sub)
     models.add_parsers(sub)
+    data.add_parsers(sub)
     return parser
 
 

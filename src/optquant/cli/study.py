@@ -19,7 +19,8 @@ EPILOG = """examples:
   optquant study --set lrs.muon=0.01,0.02,0.04 --set run=train.tokens_per_param=10
   optquant study --set sweeps.muon.optim.momentum=0.9,0.95   # a 1-D sweep at the smallest size
   optquant study --preset smoke --set optimizers=adamw,examples/lion.py:make_optimizer   # a plugin optimizer
-  optquant study --preset paper --set executor=slurm --set run=data.source=/data/climbmix"""
+  optquant study --preset gpu --set data.source=~/climbmix-tok --dry-run   # a corpus from optquant data prepare
+  optquant study --preset paper --set executor=slurm --set data.source=/data/climbmix-tok"""
 
 
 def add_parsers(sub) -> None:
@@ -67,6 +68,9 @@ def _study(args: argparse.Namespace) -> int:
         print("\n".join(study_lines(validate_spec(apply_study_overrides(spec, overrides)), plan)))
         return 0
     spec = validate_spec(apply_study_overrides(spec, toml_overrides + (args.set or [])))
+    from optquant.study.dryrun import check_study_epochs
+
+    check_study_epochs(spec)  # before anything trains: no size may repeat its corpus past data.max_epochs
     root = args.out or Path("studies") / spec.name
     progress = Progress(spec, root, args.quiet)
     with logging_redirect_tqdm([logging.getLogger()]) if progress.bar else contextlib.nullcontext():

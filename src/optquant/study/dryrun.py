@@ -6,7 +6,9 @@ evaluation before the crossing, so it is costed as `train.eval_every` steps plus
 every `cl_eval_every` steps (an upper bound: it stops at the crossing). PTQ and analysis jobs are a few
 forward passes over evaluation batches and are left out of the GPU-hours (well under 1 % of them at the
 paper's budget). A QAT run is costed as its FP twin: QuEST's quantizers are elementwise work outside
-the 6·N·D count.
+the 6·N·D count. The data lines give per size the tokens a run draws, the corpus's training tokens (a
+prepared corpus's manifest, or the embedded corpus's tokens) and the epochs; `check_study_epochs` is the
+study's refusal of a size past `data.max_epochs`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from optquant.cost import DEFAULT_GPU, GPUConfig, RunCost, gb, meta_model, run_cost
+from optquant.data import check_epochs, epochs, train_tokens
 from optquant.study.spec import StudySpec, lr_grid, run_config
 from optquant.study.tuning import group_fields
 
@@ -115,4 +118,38 @@ def study_lines(spec: StudySpec, plan: GPUConfig = DEFAULT_GPU) -> list[str]:
         lines.append(f"  {stage.name:52} {stage.jobs:>6} jobs" + (f"  {_hours(hours)} GPU-h" if hours else ""))
     lines.append(f"  {'total (upper bound)':52} {total_jobs:>6} jobs  {_hours(total_hours)} GPU-h "
                  f"(training only, at MFU {plan.mfu:g})")
-    return lines + ([""] + warnings if warnings else [])
+    return lines + epoch_lines(spec, budgets) + ([""] + warnings if warnings else [])
+
+
+def epochs_by_size(spec: StudySpec, budgets: dict[tuple[str, str], RunCost], raw: bool) -> list[tuple]:
+    """(size, data config, tokens one run needs, the corpus's training tokens or None, epochs or None) per size."""
+    out = []
+    for size in spec.sizes:
+        cfg = run_config(spec, size, spec.optimizers[0])
+        need = max(budgets[(o, size)].tokens for o in spec.optimizers)
+        corpus = train_tokens(cfg.data, cfg.model.vocab_size, raw)
+        out.append((size, cfg.data, need, corpus, None if corpus is None else epochs(need, corpus)))
+    return out
+
+
+def epoch_lines(spec: StudySpec, budgets: dict[tuple[str, str], RunCost]) -> list[str]:
+    """The dry run's data lines: per size the tokens a run needs, the corpus's training tokens and the epochs."""
+    rows = epochs_by_size(spec, budgets, raw=False)
+    data = rows[0][1]
+    lines = ["", f"data (data.source={data.source}; train and study refuse more than data.max_epochs="
+             f"{data.max_epochs:g}):", f"  {'size':>6} {'tokens per run':>15} {'corpus tokens':>15} {'epochs':>9}"]
+    for size, d, need, corpus, e in rows:
+        if corpus is None:
+            lines.append(f"  {size:>6} {need:>15,} {'not counted':>15} {'':>9}  (raw files: counted by "
+                         "optquant data prepare)")
+            continue
+        over = f"  > {d.max_epochs:g}: refused; optquant data prepare SOURCE... --out DIR, then --set " \
+               "data.source=DIR" if e > d.max_epochs else ""
+        lines.append(f"  {size:>6} {need:>15,} {corpus:>15,} {e:>9,.2f}{over}")
+    return lines
+
+
+def check_study_epochs(spec: StudySpec, plan: GPUConfig = DEFAULT_GPU) -> None:
+    """Refuse a study any of whose sizes would repeat its corpus more than data.max_epochs times."""
+    for size, d, need, corpus, _ in epochs_by_size(spec, run_costs(spec, plan), raw=True):
+        check_epochs(d, need, corpus, f"size {size}")

@@ -159,13 +159,16 @@ def study_preset(name: str) -> StudySpec:
 
 def apply_study_overrides(spec: StudySpec, overrides: list[str]) -> StudySpec:
     """`sizes=nano,micro`, `optimizers=adamw,muon`, `lrs.muon=0.01,0.02`, `run=train.steps=50`
-    (appends a run override), `sweeps.muon.optim.momentum=0.9,0.95`, `eval.tasks=piqa,arc_easy`."""
+    (appends a run override; so does any `data.*`, e.g. `data.source=DIR`), `sweeps.muon.optim.momentum=0.9,0.95`,
+    `eval.tasks=piqa,arc_easy`."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise OptquantError(f"--set {item}: expected key=value, e.g. sizes=nano,micro")
         if key == "run":
             spec = replace(spec, run=spec.run + (value,))
+        elif key.startswith("data."):  # the corpus of every run: `data.source=DIR` is `run=data.source=DIR`
+            spec = replace(spec, run=spec.run + (item,))
         elif key.startswith("lrs."):
             opt = _known_optimizer(key[4:], item)
             spec = replace(spec, lrs={**spec.lrs, opt: parse_value(value, tuple[float, ...], key)})
