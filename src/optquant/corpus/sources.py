@@ -53,7 +53,7 @@ def _under(root: Path) -> list[tuple[str, Path]]:
 
 def _glob_root(pattern: str) -> Path:
     parts = Path(pattern).parts
-    fixed = [p for p in parts[: next(i for i, p in enumerate(parts) if glob.has_magic(p))]]
+    fixed = parts[: next(i for i, p in enumerate(parts) if glob.has_magic(p))]
     return Path(*fixed) if fixed else Path(".")
 
 
@@ -67,7 +67,7 @@ def resolve_inputs(sources: list[str]) -> list[Input]:
             root = _glob_root(str(path))
             hits = [Path(p) for p in sorted(glob.glob(str(path), recursive=True))]
             files = [(h.relative_to(root).as_posix(), h) for h in hits if h.is_file() and suffix(h)]
-            files += [f for h in hits if h.is_dir() for f in _under(h)]
+            files += [(p.relative_to(root).as_posix(), p) for h in hits if h.is_dir() for _, p in _under(h)]
         elif path.is_dir():
             files = _under(path)
         elif path.is_file():
@@ -83,7 +83,11 @@ def resolve_inputs(sources: list[str]) -> list[Input]:
                 raise OptquantError(f"two input files are both named {name} ({found[name]} and {p}); give "
                                     "their common parent directory as the source instead")
             found[name] = p
-    return [Input(name, p, p.stat().st_size) for name, p in sorted(found.items())]
+    inputs = [Input(name, p, p.stat().st_size) for name, p in sorted(found.items())]
+    for inp in inputs:
+        if not inp.size:
+            raise OptquantError(f"{inp.path} is empty (0 bytes): a failed download or copy? Remove it or replace it")
+    return inputs
 
 
 def _utf8(raw: bytes, where: str) -> str:
