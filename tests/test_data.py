@@ -304,3 +304,43 @@ def test_embedded_corpus_tokenizes(tmp_path: Path):
         td.tokenizer.decode(sample[: sample.index(td.eot_id)])
         == data.split_documents(read_documents(cfg), cfg)[1][0][1]
     )
+
+
+# ---------------------------------------------------------------- the default study, as it was
+
+# Computed by main at 03afe56, before prepared corpora existed (issue 28): the embedded corpus's cache keys, the
+# sha256 of the cpu preset's cached tokens (1024-token BPE) and of the run ids of every smoke and cpu study run
+# shape (first and other seeds, with and without a CL threshold). A prepared-corpus change must leave them
+# bitwise as they were, and with them every result of the default study.
+MAIN_CACHE_KEYS = {512: "b0e53e27c4fe8178", 1024: "82759b1897e80f6a", 4096: "3d34d1470e55fb2e",
+                   32000: "520860940313cbd5"}
+MAIN_RUN_IDS = "ab3f664d2c24b55cd3c9ee861cfb9099a3ef81962c13048758ae7d87bef2ad95"
+MAIN_TOKENS_1024 = {"train.bin": "13f79157f281882a77687ee55e6ed64bfe9218de19e0a8f432a155fcc0fd7d16",
+                    "val.bin": "be234066feb1295019235f6c5a1096987a15a3e1862aa8325a062da99efdcd7e",
+                    "tokenizer.json": "ee98676a52ad500cd97e0e6bc00cac3341bfc86e427f2eaf78cc0f785234bfd4"}
+
+
+def test_embedded_cache_keys_and_study_run_ids_are_mains():
+    import hashlib
+
+    from optquant.config import run_id
+    from optquant.study.spec import run_config, study_preset
+
+    files = data.corpus_files(DataConfig())
+    assert {v: data._cache_key(files, DataConfig(), v) for v in MAIN_CACHE_KEYS} == MAIN_CACHE_KEYS
+    ids = []
+    for spec in (study_preset("smoke"), study_preset("cpu")):
+        for size in spec.sizes:
+            for opt in spec.optimizers:
+                ids.append(run_id(run_config(spec, size, opt, None, 0)))
+                ids.append(run_id(run_config(spec, size, opt, 0.001, 1, settings={"train.cl_threshold": 5.0})))
+    assert hashlib.sha256("\n".join(ids).encode()).hexdigest() == MAIN_RUN_IDS
+
+
+@pytest.mark.slow
+def test_embedded_tokens_of_the_cpu_preset_are_mains(tmp_path):
+    import hashlib
+
+    tokens = load_tokens(DataConfig(cache_dir=str(tmp_path)), 1024)
+    entry = tmp_path / "tokens" / tokens.cache_key
+    assert {f: hashlib.sha256((entry / f).read_bytes()).hexdigest() for f in MAIN_TOKENS_1024} == MAIN_TOKENS_1024
