@@ -17,7 +17,6 @@ import typing
 import warnings
 
 from optquant.cli import data, models, quant, study, train
-from optquant.device import keep_freed_memory
 from optquant.errors import OptquantError
 
 
@@ -72,8 +71,11 @@ def _dispatch(argv: list[str] | None) -> int:
     # torch notes once per process that RMSNorm under bf16 autocast (bf16 input, fp32 gain) is not fused;
     # it is expected and harmless, and would be the first line every user sees
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
-    keep_freed_memory()  # fewer page faults per step on CPU, the same numbers (device.py)
     args = build_parser().parse_args(argv)
+    if args.command != "data":  # `data prepare` and its workers load no torch, and keep no freed memory
+        from optquant.device import keep_freed_memory
+
+        keep_freed_memory()  # fewer page faults per step on CPU, the same numbers (device.py)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
