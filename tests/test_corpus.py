@@ -318,3 +318,38 @@ def test_another_prepare_into_the_same_directory_is_refused(raw, prepared, tmp_p
         prepare([str(raw)], tmp_path / "full", CFG)
     with pytest.raises(OptquantError, match="does not exist"):
         prepare([str(tmp_path / "nope")], tmp_path / "o", CFG)
+
+
+def test_the_data_command_loads_no_torch(prepared):
+    code = ("import sys; from optquant.cli import main; "
+            f"assert main(['data', 'info', {str(prepared)!r}]) == 0; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def _peak_rss_of_prepare(src: Path, out: Path) -> int:
+    """The largest resident set of `optquant data prepare` (one process: it trains the BPE and encodes)."""
+    code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
+    cmd = [sys.executable, "-m", "optquant.cli", "data", "prepare", str(src), "--out", str(out), "--processes", "1",
+           "--vocab-size", str(V), "--sample-bytes", str(8 << 20)]
+    return int(subprocess.run([sys.executable, "-c", code, *cmd], check=True, capture_output=True, text=True).stdout)
+
+
+@pytest.mark.slow
+def test_memory_is_bounded_whatever_the_corpus_size(tmp_path):
+    """Peak RSS at two corpus sizes 4× apart (25 MB and 100 MB of jsonl in four files): ≤ 1 GB and the same
+    within 15 % (a batch of text, the tokenizer and the BPE sample, never the corpus)."""
+    peaks = []
+    for mb in (25, 100):
+        src = tmp_path / f"c{mb}"
+        src.mkdir()
+        docs = texts(4000, mb)
+        for i in range(4):
+            with open(src / f"{i}.jsonl", "w") as f:
+                size = 0
+                while size < mb * 1e6 / 4:
+                    line = json.dumps({"text": random.choice(docs)}) + "\n"
+                    f.write(line)
+                    size += len(line)
+        peaks.append(_peak_rss_of_prepare(src, tmp_path / f"out{mb}"))
+    assert max(peaks) <= 1 << 30 and max(peaks) / min(peaks) < 1.15, peaks

@@ -68,7 +68,7 @@ Document = tuple[str, str]  # (stable id, text)
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "embedded"  # "embedded" or a path to a file / directory of .txt, .jsonl, .parquet
+    source: str = "embedded"  # "embedded", a file / directory of .txt, .jsonl, .parquet, or prepared dirs (A,B)
     text_field: str = "text"  # jsonl field or parquet column holding the text
     val_fraction: float = 0.05  # expected share of documents held out
     split_seed: int = 0
