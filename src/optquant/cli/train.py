@@ -48,10 +48,18 @@ def run(args: argparse.Namespace) -> int:
     from optquant.train import train
 
     if args.dry_run:
-        from optquant.cost import cost_lines, split_gpu_overrides
+        from optquant.cost import cost_lines, run_cost, split_gpu_overrides
+        from optquant.data import epochs, train_tokens
 
         plan, overrides = split_gpu_overrides(args.set or [])
-        print("\n".join(cost_lines(resolve(args.preset, args.config, overrides), plan)))
+        cfg = resolve(args.preset, args.config, overrides)
+        lines = cost_lines(cfg, plan)
+        corpus = train_tokens(cfg.data, cfg.model.vocab_size, raw=False)
+        if corpus is not None:  # tokens drawn ÷ the corpus's training tokens (data.max_epochs refuses past it)
+            need = run_cost(cfg, plan).tokens
+            lines.append(f"  data.source={cfg.data.source}: {corpus:,} training tokens, {epochs(need, corpus):,.2f} "
+                         f"epochs (data.max_epochs={cfg.data.max_epochs:g})")
+        print("\n".join(lines))
         return 0
     cfg = resolve(args.preset, args.config, args.set or [])
     path = run_dir(args.out, cfg)
