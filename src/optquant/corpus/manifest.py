@@ -138,10 +138,19 @@ class ShardedTokens:
         return out
 
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """(len(starts), length) int64: the window at each start offset."""
-        if not len(starts):
-            return np.empty((0, length), np.int64)
-        return np.stack([self.read(int(s), length) for s in starts])
+        """(len(starts), length) int64: the window at each start offset. Windows inside one shard are gathered
+        per shard in one indexing; the few that cross a shard boundary are read piece by piece."""
+        starts = np.asarray(starts, dtype=np.int64)
+        out = np.empty((len(starts), length), np.int64)
+        shard = np.searchsorted(self.begins, starts, "right") - 1
+        local = starts - self.begins[shard]
+        inside = local + length <= self.begins[shard + 1] - self.begins[shard]
+        for i in np.unique(shard[inside]):
+            rows = np.flatnonzero(inside & (shard == i))
+            out[rows] = self._map(int(i))[local[rows, None] + np.arange(length)]
+        for r in np.flatnonzero(~inside):
+            out[r] = self.read(int(starts[r]), length)
+        return out
 
     def __getitem__(self, key: slice) -> np.ndarray:
         if not isinstance(key, slice) or key.step not in (None, 1):
