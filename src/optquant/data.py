@@ -196,22 +196,10 @@ def _read_txt(path: Path, field: str) -> list[str | None]:
 
 
 def _read_jsonl(path: Path, field: str) -> list[str | None]:
-    texts: list[str | None] = []
+    from optquant.corpus.sources import json_text
+
     with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                texts.append(None)
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise OptquantError(f"{path} line {n} is not valid JSON: {e.msg}") from None
-            if not isinstance(row, dict) or field not in row:
-                raise OptquantError(f"{path} line {n} has no field {field!r} (set data.text_field)")
-            if row[field] is not None and not isinstance(row[field], str):
-                raise OptquantError(f"{path} line {n}: field {field!r} is not a string")
-            texts.append(row[field])
-    return texts
+        return [json_text(line, f"{path} line {n}", field, "set data.text_field") for n, line in enumerate(f, start=1)]
 
 
 def _read_parquet(path: Path, field: str) -> list[str | None]:

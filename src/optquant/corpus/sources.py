@@ -121,6 +121,21 @@ def _binary_lines(path: Path) -> io.BufferedReader:
     return open(path, "rb")  # noqa: SIM115 - closed by the caller's with-block
 
 
+def json_text(line: str, where: str, field: str, hint: str) -> str | None:
+    """The `field` of one JSON line (None for a blank line or a null); errors name `where` (the file and line)."""
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise OptquantError(f"{where} is not valid JSON: {e.msg}") from None
+    if not isinstance(row, dict) or field not in row:
+        raise OptquantError(f"{where} has no field {field!r} ({hint})")
+    if row[field] is not None and not isinstance(row[field], str):
+        raise OptquantError(f"{where}: field {field!r} is not a string")
+    return row[field]
+
+
 def _jsonl(inp: Input, field: str) -> Iterator[tuple[int, str | None]]:
     import pyarrow as pa
 
@@ -128,19 +143,8 @@ def _jsonl(inp: Input, field: str) -> Iterator[tuple[int, str | None]]:
     try:
         with _binary_lines(inp.path) as f:
             for n, raw in enumerate(f, start=1):
-                line = _utf8(raw, f"{inp.path} line {n}")
-                if not line.strip():
-                    yield n - 1, None
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise OptquantError(f"{inp.path} line {n} is not valid JSON: {e.msg}") from None
-                if not isinstance(row, dict) or field not in row:
-                    raise OptquantError(f"{inp.path} line {n} has no field {field!r} (set --text-field)")
-                if row[field] is not None and not isinstance(row[field], str):
-                    raise OptquantError(f"{inp.path} line {n}: field {field!r} is not a string")
-                yield n - 1, row[field]
+                where = f"{inp.path} line {n}"
+                yield n - 1, json_text(_utf8(raw, where), where, field, "set --text-field")
     except (pa.ArrowException, OSError, EOFError) as e:  # a truncated or damaged compressed stream
         raise OptquantError(f"{inp.path}: damaged after line {n} ({str(e).splitlines()[0]})") from None
 
