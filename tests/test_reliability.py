@@ -423,7 +423,7 @@ def test_workers_die_with_a_killed_study(nano_cfg, tmp_path):
     in; called directly, the parent skips execute's bookkeeping imports): no worker (or helper) may outlive it."""
     from optquant.config import apply_overrides, to_dict
 
-    cfgs = [apply_overrides(nano_cfg, ["train.steps=100000", f"seed={s}"]) for s in (1, 2)]
+    cfgs = [apply_overrides(nano_cfg, ["train.steps=100000", "data.max_epochs=1e9", f"seed={s}"]) for s in (1, 2)]
     script = f"""
         from optquant.config import from_dict
         from optquant.study.executor import run_local
