@@ -244,7 +244,7 @@ def prepare(sources: list[str], out: Path, cfg: PrepareConfig) -> dict:
         (out / s).mkdir(parents=True, exist_ok=True)
     tasks = [Task(i, inp, str(out), str(tok_file), plan["tokenizer"]["eot_id"], plan["dtype"], cfg.split())
              for i, inp in enumerate(inputs)]
-    todo = [t for t in tasks if _read_record(out, t) is None]
+    todo = sorted((t for t in tasks if _read_record(out, t) is None), key=lambda t: -t.input.size)  # longest first
     log.info("%d of %d input files to tokenize", len(todo), len(tasks))
     if todo and cfg.executor == "local":
         _run_tasks(todo, cfg.processes)
