@@ -353,3 +353,9 @@ def test_memory_is_bounded_whatever_the_corpus_size(tmp_path):
                     size += len(line)
         peaks.append(_peak_rss_of_prepare(src, tmp_path / f"out{mb}"))
     assert max(peaks) <= 1 << 30 and max(peaks) / min(peaks) < 1.15, peaks
+
+
+def test_a_split_setting_other_than_the_corpus_was_prepared_with_is_refused(prepared):
+    assert len(load_tokens(DataConfig(source=str(prepared), val_fraction=0.05), V).val) > 0  # its own: fine
+    with pytest.raises(OptquantError, match=r"prepared with val_fraction, split_seed, text_field = \(0.05, 0"):
+        load_tokens(DataConfig(source=str(prepared), split_seed=3), V)

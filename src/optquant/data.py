@@ -358,9 +358,9 @@ def _prepared(cfg: DataConfig, vocab_size: int) -> TokenData:
     if p.vocab_size > vocab_size:
         raise OptquantError(f"data.source={cfg.source}: its tokenizer has {p.vocab_size} tokens, more than "
                             f"model.vocab_size={vocab_size}; --set model.vocab_size={p.vocab_size} (or more)")
-    split, ours = p.manifests[0]["split"], (cfg.val_fraction, cfg.split_seed, cfg.text_field)
-    theirs = (split["val_fraction"], split["split_seed"], split["text_field"])
-    if ours != theirs and ours != (0.05, 0, "text"):  # set by the user, unlike what the corpus was prepared with
+    split, default = p.manifests[0]["split"], DataConfig()
+    ours, theirs = ((c["val_fraction"], c["split_seed"], c["text_field"]) for c in (vars(cfg), split))
+    if ours != theirs and ours != (default.val_fraction, default.split_seed, default.text_field):  # the user's
         raise OptquantError(f"data.source={cfg.source} was prepared with val_fraction, split_seed, text_field = "
                             f"{theirs}, not {ours}; prepare it again to change them")
     return TokenData(p.train, p.val, p.vocab_size, Tokenizer.from_file(str(p.tokenizer_file)), p.eot_id, p.corpus_id)
