@@ -20,6 +20,7 @@ from optquant.metrics.propagation import (
     abc_terms,
     four_evals,
     propagation,
+    propagation_of,
     ptq_pair,
     shapley_split,
     summarize,
@@ -233,3 +234,33 @@ def _assert_matches_reference(fp, q, **cfg):
     for f in ("R_L", "sum_A", "sum_B", "sum_C", "mean_gain", "mean_gain_linear", "mean_G1", "mean_G2"):
         got, want = getattr(summary, f), getattr(ref_summary, f)
         assert (math.isnan(got) and math.isnan(want)) or abs(got - want) <= 1e-12 * max(1.0, abs(want))
+
+
+@pytest.mark.parametrize("qcfg", [PTQConfig(), PTQConfig(method="gptq", quantize_head=True),
+                                  PTQConfig(method="gptq", rotation="hadamard", a_bits=16, w_group_size=16)],
+                         ids=lambda c: c.name)
+@pytest.mark.parametrize("granularity", ["sublayer", "linear"])
+def test_walk_quantizing_one_sublayer_at_a_time_equals_the_two_model_path(trained, qcfg, granularity):
+    """propagation_of (the FP model held once, each quantized sublayer made as it is reached, GPTQ's
+    calibration moved along the walk) gives the rows of propagation(*ptq_pair(...)) in fp32, and in fp64
+    those of the implementation before its speed-up (tests/propagation_reference.py) to 1e-12."""
+    import propagation_reference as ref
+
+    calib = torch.randint(0, VOCAB, (6, T), generator=torch.Generator().manual_seed(5))
+    skip = () if qcfg.quantize_head else ("lm_head",)
+    cfg = PropagationConfig(granularity=granularity, skip=skip)
+    rows, summary = propagation_of(trained, qcfg, _batches(n=2, b=3), cfg, calib)
+    want, want_summary = propagation(*ptq_pair(trained, qcfg, calib), _batches(n=2, b=3), cfg)
+    assert [(r.name, r.norm) for r in rows] == [(r.name, r.norm) for r in want]
+    for r, e in zip(rows, want, strict=True):
+        for f in ("R", "A", "B", "C", "R_in", "G", "G1", "G2", "G_lin"):
+            assert getattr(r, f) == pytest.approx(getattr(e, f), rel=1e-6, abs=1e-12, nan_ok=True), (r.name, f)
+    assert summary.R_L == pytest.approx(want_summary.R_L, rel=1e-6)
+    model = copy.deepcopy(trained).double()
+    rows, _ = propagation_of(model, qcfg, _batches(n=2, b=3), cfg, calib)
+    ref_rows, _ = ref.propagation(*ptq_pair(model, qcfg, calib), _batches(n=2, b=3), ref.PropagationConfig(
+        granularity=granularity, skip=skip))
+    for r, e in zip(rows, ref_rows, strict=True):
+        for f in ("R", "A", "B", "C", "R_in"):
+            got, wanted = getattr(r, f), getattr(e, f)
+            assert abs(got - wanted) <= 1e-12 * max(1.0, abs(wanted)), (r.name, r.norm, f, got, wanted)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from optquant.evaluate import eval_mode, token_ids
+from optquant.evaluate import eval_mode, hidden_states, token_ids
 from optquant.metrics.capture import capture
 from optquant.quant.layers import linear_layers
 
@@ -221,10 +221,14 @@ def outlier_metrics(
         streams[key].add(y if key.startswith("residual:") else x)
 
     hooked = {key: m for key, (_, m) in sites.items()}
+    # the head is run only when a site is in it: the logits are (tokens × vocabulary), none of them is needed
+    in_head = any(name.split(".")[0] in ("norm", "lm_head") for name, _ in sites.values())
     with eval_mode(model), capture(model, hooked, outputs=residual, fn=on_forward):
         device = next(model.parameters()).device
         for batch in batches:
-            model(token_ids(batch).to(device))
+            idx = token_ids(batch).to(device)
+            if in_head or hidden_states(model, idx) is None:  # a chain model runs without its head
+                model(idx)
     rows, counters = [], {"linear": 0, "residual": 0}
     for key, (name, _) in sites.items():
         kind = key.split(":", 1)[0]

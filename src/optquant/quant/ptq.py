@@ -164,11 +164,16 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
         _gptq_(model, layers, cfg, calib)
     else:
         for name, lin in layers:
-            spec = cfg.weight_spec
-            W = lin.weight.detach().clone() if spec is None else fake_quant(lin.weight.detach(), spec)
-            replace_module(model, name, QuantLinear(W, lin.bias, cfg.act_spec, cfg.name))
+            replace_module(model, name, rtn_linear(lin, cfg))
     log.info("quantized %d linear layers with %s", len(layers), cfg.name)
     return model
+
+
+def rtn_linear(lin: nn.Module, cfg: PTQConfig) -> QuantLinear:
+    """The QuantLinear of one layer under RTN (weights rounded to nearest, activations as cfg says)."""
+    spec = cfg.weight_spec
+    W = lin.weight.detach().clone() if spec is None else fake_quant(lin.weight.detach(), spec)
+    return QuantLinear(W, lin.bias, cfg.act_spec, cfg.name)
 
 
 def check_group_sizes(layers: list[tuple[str, nn.Linear]], cfg: PTQConfig) -> None:
@@ -278,28 +283,42 @@ def _chain_units(model: nn.Module, pending: dict[str, nn.Module]) -> list[tuple]
     return units
 
 
-def _gptq_(model: nn.Module, layers: list[tuple[str, nn.Module]], cfg: PTQConfig, calib) -> None:
-    device = next(model.parameters()).device
-    batches = _calib_batches(calib, cfg.n_calib, device)
-    pending = dict(layers)
-    done: list[QuantLinear] = []
-    units = _chain_units(model, pending)
-    if units:  # each unit's inputs cached, moved through the model once
-        xs = [model.embed(b) for b in batches]
-        later = [sum(len(m) for _, m in units[i + 1 :]) for i in range(len(units))]
-        for (unit, mine), rest in zip(units, later, strict=True):
-            while mine and (hessians := _capture_group(unit, mine, xs)):
-                _solve_group(model, mine, hessians, cfg, done)
-            if rest:  # the inputs of the next unit: this one's outputs, its weights quantized
-                xs = [unit(x) for x in xs]
-        pending = {n: m for _, mine in units for n, m in mine.items()}  # layers the data never reached
-    else:
-        while pending and (hessians := _capture_group(model, pending, batches)):
-            _solve_group(model, pending, hessians, cfg, done)
+@torch.no_grad()
+def quantize_unit_(root: nn.Module, unit, layers: dict[str, nn.Module], cfg: PTQConfig,
+                   xs: list[Tensor] | None = None, outputs: bool = True) -> list[Tensor] | None:
+    """Quantize `layers` (named as in `root`) of one chain unit (a callable that runs them) in place: RTN,
+    or GPTQ from the unit's calibration inputs `xs` in true-sequential groups. Returns the unit's outputs
+    on `xs`, its weights quantized and activations not (the next unit's calibration inputs; None without
+    `xs` or `outputs`). Afterwards the activation quantizers are on."""
+    if cfg.method != "gptq" or cfg.w_bits >= OFF or xs is None:
+        for name, lin in layers.items():
+            replace_module(root, name, rtn_linear(lin, cfg))
+        return [unit(x) for x in xs] if xs is not None and outputs else None
+    pending, done = dict(layers), []
+    while pending and (hessians := _capture_group(unit, pending, xs)):
+        _solve_group(root, pending, hessians, cfg, done)
     if pending:
         log.warning("GPTQ: %d layers never ran on the calibration data; using RTN", len(pending))
-        for name, lin in pending.items():
-            Q = fake_quant(lin.weight.detach(), cfg.weight_spec)
-            done.append(replace_module(model, name, QuantLinear(Q, lin.bias, None, cfg.name)))
+        done += [replace_module(root, n, rtn_linear(lin, cfg)) for n, lin in pending.items()]
+    ys = [unit(x) for x in xs] if outputs else None
+    for layer in done:  # activations stayed FP during calibration; switch their quantizers on now
+        layer.act = cfg.act_spec
+    return ys
+
+
+def _gptq_(model: nn.Module, layers: list[tuple[str, nn.Module]], cfg: PTQConfig, calib) -> None:
+    batches = _calib_batches(calib, cfg.n_calib, next(model.parameters()).device)
+    units = _chain_units(model, dict(layers))
+    if units:  # each unit's inputs cached, moved through the model once
+        xs = [model.embed(b) for b in batches]
+        for i, (unit, mine) in enumerate(units):
+            xs = quantize_unit_(model, unit, mine, cfg, xs, outputs=any(m for _, m in units[i + 1 :]))
+        return
+    pending, done = dict(layers), []
+    while pending and (hessians := _capture_group(model, pending, batches)):
+        _solve_group(model, pending, hessians, cfg, done)
+    if pending:
+        log.warning("GPTQ: %d layers never ran on the calibration data; using RTN", len(pending))
+        done += [replace_module(model, n, rtn_linear(lin, cfg)) for n, lin in pending.items()]
     for layer in done:  # activations stayed FP during calibration; switch their quantizers on now
         layer.act = cfg.act_spec
