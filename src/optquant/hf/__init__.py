@@ -78,12 +78,21 @@ def load_hf_model(path: Path, dtype: str = "auto"):
     return model.eval()
 
 
-def load_hf(path: Path, seq_len: int = 128, dtype: str = "auto"):
-    """The HF causal LM at `path` as an optquant chain (HFLM), in its stored dtype (or `dtype`), eval mode."""
+def load_hf(path: Path, seq_len: int = 128, dtype: str = "auto", lazy: bool = False):
+    """The HF causal LM at `path` as an optquant chain (HFLM), in its stored dtype (or `dtype`), eval mode;
+    `lazy`: its decoder layers left in the safetensors files, read one sublayer at a time (hf/lazy.py)."""
     from optquant.hf.adapter import HFLM
 
     if type(seq_len) is not int or seq_len < 2:
         raise OptquantError(f"--seq-len {seq_len}: must be at least 2 tokens")
+    if lazy:
+        from optquant.hf.lazy import load_lazy
+
+        if not (Path(path) / "config.json").is_file():
+            raise OptquantError(f"{path}: not a Hugging Face model folder (no config.json)")
+        if dtype not in DTYPES:
+            raise OptquantError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        return load_lazy(Path(path), dtype, seq_len)
     return HFLM(load_hf_model(path, dtype), seq_len=seq_len).eval()
 
 

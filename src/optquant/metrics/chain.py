@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from optquant.device import resident
 from optquant.errors import OptquantError
 from optquant.metrics.gains import rows2d
 from optquant.quant.layers import QuantLinear, linear_layers
@@ -119,14 +120,14 @@ def quantized_links(model: nn.Module, qcfg: PTQConfig, cfg, calib: Iterable | No
     subs = model.sublayers()
     for i, sub in enumerate(subs):
         prefix = names[id(sub)]
-        q_sub = shared_copy(sub)
-        mine = {n[len(prefix) + 1 :]: m for n, m in layers.items() if n.startswith(prefix + ".")}
-        mine = {r: q_sub.get_submodule(r) for r in mine}
-        more = i + 1 < len(subs) or qcfg.quantize_head
-        xs = quantize_unit_(q_sub, q_sub, mine, qcfg, xs, outputs=more)
-        link = Link(prefix, "sublayer", sub, q_sub, not mine)
-        _assign_linears(model, [link], cfg, lambda n, q_sub=q_sub, p=prefix: q_sub.get_submodule(n[len(p) + 1 :]))
-        yield link
+        with resident(sub, device):  # a lazily loaded sublayer is read now, released when the walk moves on
+            q_sub = shared_copy(sub)
+            mine = [n[len(prefix) + 1 :] for n in layers if n.startswith(prefix + ".")]
+            more = i + 1 < len(subs) or qcfg.quantize_head
+            xs = quantize_unit_(q_sub, q_sub, {r: q_sub.get_submodule(r) for r in mine}, qcfg, xs, outputs=more)
+            link = Link(prefix, "sublayer", sub, q_sub, not mine)
+            _assign_linears(model, [link], cfg, lambda n, q=q_sub, p=prefix: q.get_submodule(n[len(p) + 1 :]))
+            yield link
     if cfg.final == "none":
         return
     q_lm_head = model.lm_head
