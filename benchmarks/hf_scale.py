@@ -60,7 +60,8 @@ def write_model(path: Path, shape: str, dtype: str, blocks: int | None = None, s
     from safetensors.torch import save_file
 
     cfg = dict(SHAPES[shape], **({"num_hidden_layers": blocks} if blocks else {}))
-    config = transformers.AutoConfig.for_model(**cfg, bos_token_id=0, eos_token_id=0, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
+    config = transformers.AutoConfig.for_model(**cfg, bos_token_id=0, eos_token_id=0,
+                                               dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     path.mkdir(parents=True, exist_ok=True)

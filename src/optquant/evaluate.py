@@ -73,9 +73,10 @@ def hidden_states(model: nn.Module, x: Tensor) -> Tensor | None:
     return h
 
 
-def head_rows(model: nn.Module, h: Tensor, budget: int = LOGITS_BYTES) -> Iterator[tuple[slice, Tensor]]:
-    """(rows, fp32 logits) of the hidden states h (…, D) flattened to rows, in chunks of ≤ `budget` bytes."""
-    rows = h.reshape(-1, h.shape[-1])
+def head_rows(model: nn.Module, h: Tensor, budget: int | None = None) -> Iterator[tuple[slice, Tensor]]:
+    """(rows, fp32 logits) of the hidden states h (…, D) flattened to rows, in chunks of ≤ `budget` bytes
+    (default LOGITS_BYTES)."""
+    rows, budget = h.reshape(-1, h.shape[-1]), budget or LOGITS_BYTES
     vocab = model.lm_head.out_features if hasattr(model, "lm_head") else model.head(rows[:1]).shape[-1]
     step = max(1, budget // (4 * vocab))
     for i in range(0, rows.shape[0], step):
