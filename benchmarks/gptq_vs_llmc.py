@@ -4,7 +4,7 @@ Each side runs in its own process (`--side ours` in optquant's venv, `--side llm
 installed: this file imports neither package at the top) and prints one JSON line:
 - `gptq_s`: wall seconds of the quantization call alone (optquant's `quantize_`, llm-compressor's `oneshot`
   with `GPTQModifier(scheme="W4A16", targets="Linear", ignore=["lm_head"])`), W4 g128 symmetric weights,
-  damp 0.01, no act-order on both; optquant on the same int grid as llm-compressor's (`full`: [-8, 7],
+  damp 0.01, act-order with static groups (llm-compressor's default actorder="static"); the same int grid (`full`: [-8, 7],
   scale absmax/7.5);
 - `peak_gb`: the process's peak RSS once quantized (before the damage is measured, which adds logits);
 - the damage on `--eval` windows: relative error of the logits ‖z_q − z‖/‖z‖ and Δ cross-entropy.
@@ -64,7 +64,7 @@ def ours(args, calib: torch.Tensor, ev: torch.Tensor) -> dict:
 
     model = load_hf(args.model, seq_len=calib.shape[1])
     fp_logits(model, ev, args.tmp)
-    cfg = PTQConfig(method="gptq", a_bits=16, w_group_size=128, grid="full", n_calib=len(calib))
+    cfg = PTQConfig(method="gptq", a_bits=16, w_group_size=128, grid="full", act_order=True, n_calib=len(calib))
     t = time.perf_counter()
     quantize_(model, cfg, calib)
     out = {"gptq_s": time.perf_counter() - t, "peak_gb": peak_gb()}

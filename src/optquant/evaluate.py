@@ -60,7 +60,7 @@ def _autocast(model: nn.Module, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-LOGITS_BYTES = 256 * 2**20  # fp32 logits per chunk: the activation buffer of the loss read-out
+LOGITS_BYTES = 64 * 2**20  # fp32 logits per chunk: the activation buffer of the loss read-out
 
 
 def hidden_states(model: nn.Module, x: Tensor) -> Tensor | None:

@@ -11,8 +11,8 @@ The link's numbers equal those of `model_links(fp, quantized_copy(fp))`.
 
 The head read-out: when the final module is the same in both models (lm_head left in FP, as PTQ does by
 default) and bias-free, ‖W x‖ = ‖R x‖ with RᵀR = WᵀW, so the logits' row norms come from d-wide products;
-R is the Cholesky factor of the Gram matrix, accumulated in fp64 over chunks of the vocabulary, so the
-(V × d) head is never copied (a QR of it would be).
+R is the Cholesky factor of the Gram matrix, summed over chunks of the vocabulary (syrk, in the rows'
+dtype), so the (V × d) head is never copied (a QR of it would be) and costs V·d² flops, half a QR's.
 Left out on purpose: rotation inside the walk (the rotated FP model is made whole first, `ptq_pair`).
 """
 
@@ -27,11 +27,11 @@ from torch import Tensor, nn
 
 from optquant.device import resident
 from optquant.errors import OptquantError
-from optquant.metrics.gains import rows2d
+from optquant.metrics.gains import rows2d, syrk
 from optquant.quant.layers import QuantLinear, linear_layers
 from optquant.quant.ptq import PTQConfig, _calib_batches, check_group_sizes, quantize_unit_
 
-GRAM_ROWS = 8192  # vocabulary rows per fp64 chunk of the head's Gram matrix
+GRAM_ROWS = 8192  # vocabulary rows per chunk of the head's Gram matrix
 
 
 @dataclass
@@ -141,19 +141,22 @@ def quantized_links(model: nn.Module, qcfg: PTQConfig, cfg, calib: Iterable | No
 
 
 def gram_factor(W: Tensor) -> Tensor:
-    """Upper R with RᵀR = WᵀW (fp64 Gram over row chunks, then Cholesky), in the dtype the rows compute in;
-    an eigen-factor where WᵀW is singular (fewer rows than columns)."""
-    G = torch.zeros(W.shape[1], W.shape[1], dtype=torch.float64, device=W.device)
+    """Upper R with RᵀR = WᵀW, in the dtype the rows compute in (fp32 for fp32 and 16-bit weights, fp64 for
+    fp64): the Gram matrix summed over chunks of rows (BLAS syrk on CPU, half a matmul's flops), factored in
+    fp64 by Cholesky, or by eigenvalues where WᵀW is singular (fewer rows than columns)."""
+    dtype = rows2d(W[:1]).dtype
+    G = torch.zeros(W.shape[1], W.shape[1], dtype=dtype, device=W.device)
     for i in range(0, W.shape[0], GRAM_ROWS):
-        chunk = W[i : i + GRAM_ROWS].double()
-        G += chunk.T @ chunk
+        chunk = W[i : i + GRAM_ROWS].to(dtype)
+        G += torch.from_numpy(syrk(chunk)) if W.device.type == "cpu" else chunk.T @ chunk
+    G = (G.triu() + G.triu(1).T).double() if W.device.type == "cpu" else G.double()
     L, info = torch.linalg.cholesky_ex(G)
     if info == 0:
         R = L.T
     else:
         lam, U = torch.linalg.eigh(G)
         R = lam.clamp_min(0).sqrt()[:, None] * U.T
-    return R.to(rows2d(W[:1]).dtype)
+    return R.to(dtype)
 
 
 def _bias_free(m: nn.Module) -> bool:
