@@ -247,3 +247,15 @@ def test_lazy_loading_gives_the_resident_numbers(family, tmp_path):
     (tmp_path / "m" / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(OptquantError, match="not a safetensors index"):
         load_hf(tmp_path / "m", lazy=True)
+
+
+def test_a_bf16_checkpoint_stays_bf16_unless_asked(tmp_path):
+    """The stored dtype by default (whole and lazy), fp32 with dtype="float32" (the analysis before issue 33)."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(FAMILIES["llama"]()).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    for lazy in (False, True):
+        model = load_hf(tmp_path / "m", lazy=lazy)
+        assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.bfloat16
+        assert load_hf(tmp_path / "m", dtype="float32", lazy=lazy).embed.weight.dtype == torch.float32
+    with pytest.raises(OptquantError, match="--dtype"):
+        load_hf(tmp_path / "m", dtype="int8")
