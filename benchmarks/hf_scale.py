@@ -106,13 +106,15 @@ def _save(path: Path, shards: list, index: dict, save_file, last: bool = False) 
 
 
 def run(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
-    """(wall s, peak RSS GB, last stderr line) of one command under /usr/bin/time -v."""
+    """(wall s, peak RSS GiB, status with the CPU seconds) of one command under /usr/bin/time -v."""
     t = time.perf_counter()
     p = subprocess.run(["/usr/bin/time", "-v", *cmd], env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr)
     tail = [ln for ln in p.stdout.splitlines() + p.stderr.splitlines() if ln.strip()]
-    status = "ok" if p.returncode == 0 else f"exit {p.returncode}: {[ln for ln in tail if 'rror' in ln][-1:]}"
+    cpu = sum(float(m) for m in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", p.stderr))
+    errors = [ln for ln in tail if "rror" in ln][-1:]
+    status = f"ok, CPU {cpu:.0f} s" if p.returncode == 0 else f"exit {p.returncode}: {errors}"
     return wall, int(peak.group(1)) / 2**20 if peak else float("nan"), status
 
 
@@ -157,8 +159,8 @@ def main() -> None:
                                      weights=weights_gb(path), command=command, side=side, wall=wall, peak=peak,
                                      status=status))
                     r = rows[-1]
-                    print(f"{shape:>13} {dtype:>5} {r['blocks']:>3} {r['weights']:6.2f} GB {command:>9} {side:>6} "
-                          f"{wall:8.1f} s {peak:6.2f} GB ({peak / r['weights']:4.2f}x) {status}", flush=True)
+                    print(f"{shape:>13} {dtype:>5} {r['blocks']:>3} {r['weights']:6.2f} GiB {command:>9} {side:>6} "
+                          f"{wall:8.1f} s {peak:6.2f} GiB ({peak / r['weights']:4.2f}x) {status}", flush=True)
             if not args.keep:
                 shutil.rmtree(path)
     (args.work / "hf_scale.json").write_text(json.dumps(rows, indent=1))

@@ -252,7 +252,8 @@ def test_lazy_loading_gives_the_resident_numbers(family, tmp_path):
 def test_a_bf16_checkpoint_stays_bf16_unless_asked(tmp_path):
     """The stored dtype by default (whole and lazy), fp32 with dtype="float32" (the analysis before issue 33)."""
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(FAMILIES["llama"]()).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES["llama"]())
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "m")
     for lazy in (False, True):
         model = load_hf(tmp_path / "m", lazy=lazy)
         assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.bfloat16
