@@ -80,13 +80,19 @@ def load_lazy(path: Path, dtype: str, seq_len: int):
     from optquant.hf.adapter import HFLM
 
     transformers = require_transformers()
-    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     check_hf_config(path)
-    want = _DTYPES.get(dtype) or (config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32)
-    index = shard_index(path)
-    with torch.device("meta"):
-        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=want)
-    _check_names(path, hf, index, config)
+    try:  # transformers and safetensors over files from elsewhere: any failure is bad input
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        want = _DTYPES.get(dtype) or (config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32)
+        index = shard_index(path)
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=want)
+        _check_names(path, hf, index, config)
+    except OptquantError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise OptquantError(f"{path}: transformers could not load it ({type(e).__name__}: {first})") from None
     base = hf.model
     base.rotary_emb = type(base.rotary_emb)(config=config)  # its buffers are computed, not stored
     model = HFLM(hf, seq_len=seq_len)
@@ -95,8 +101,11 @@ def load_lazy(path: Path, dtype: str, seq_len: int):
         for m in (sub.inner, sub.norm):
             object.__setattr__(m, "_lazy_weights", LazyWeights(m, names[id(m)] + ".", index, want))
         object.__setattr__(sub, "_lazy_weights", _Group([sub.inner, sub.norm]))
-    for m in (base.embed_tokens, base.norm, *(() if config.tie_word_embeddings else (hf.lm_head,))):
-        LazyWeights(m, names[id(m)] + ".", index, want).load_(m, torch.device("cpu"))
+    try:
+        for m in (base.embed_tokens, base.norm, *(() if config.tie_word_embeddings else (hf.lm_head,))):
+            LazyWeights(m, names[id(m)] + ".", index, want).load_(m, torch.device("cpu"))
+    except Exception as e:  # a shard that the index names but that is not safetensors
+        raise OptquantError(f"{path}: unreadable weights ({type(e).__name__}: {str(e).splitlines()[:1]})") from None
     if config.tie_word_embeddings:
         hf.lm_head.weight = base.embed_tokens.weight
     return model.eval()
