@@ -103,6 +103,29 @@ def test_val_loss_matches_cross_entropy():
         val_loss(model, [])
 
 
+def test_chunked_loss_and_logliks_equal_the_full_logits(monkeypatch, val, tokenizer):
+    """The head read in chunks of rows (7 rows of logits at a time here, as a 152k vocabulary reads ~440)
+    gives the loss and the choices' log-likelihoods of the full (B, T, V) logits; the chunks are what is
+    computed (a head that records its calls never sees more than 7 rows)."""
+    import optquant.evaluate as ev
+
+    torch.manual_seed(0)
+    model = LM(model_config("nano", vocab_size=V, seq_len=48)).eval()
+    blocks = [torch.randint(0, V, (3, 17)) for _ in range(3)]
+    items = build_mc_items(val, MCConfig(n_items=12, context_len=10, cont_len=4), eot_id=EOT, tokenizer=tokenizer)
+    with torch.no_grad():
+        full = [F.cross_entropy(model(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten(), reduction="sum") for b in blocks]
+        x = torch.tensor([it.context + c for it in items for c in it.choices])
+        logp = torch.log_softmax(model(x[:, :-1])[:, 9:], dim=-1).gather(-1, x[:, 10:, None]).squeeze(-1).sum(-1)
+    monkeypatch.setattr(ev, "LOGITS_BYTES", 4 * V * 7)
+    seen, head = [], model.head
+    monkeypatch.setattr(model, "head", lambda h: seen.append(h.shape[0]) or head(h))
+    assert val_loss(model, blocks).loss == pytest.approx(sum(full).item() / (3 * 3 * 16), rel=1e-6)
+    got = continuation_logliks(model, items, batch_size=5)
+    np.testing.assert_allclose(got, logp.view(len(items), -1).double().numpy(), rtol=1e-5)
+    assert max(seen) == 7 and sum(seen) == 3 * 3 * 16 + len(items) * 4 * 4  # the loss's rows, then only k per choice
+
+
 def test_split_at_eot():
     docs = split_at_eot(np.array([5, 6, 0, 7, 0, 0, 8, 9, 9]), eot_id=0)
     assert [d.tolist() for d in docs] == [[5, 6], [7], [8, 9, 9]]

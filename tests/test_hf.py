@@ -221,3 +221,42 @@ def test_a_bare_checkpoint_analyses_with_tokens_or_a_tokenizer_as_with_its_own(n
     one_line_error(capsys, str(bare), "--tokenizer PATH or --tokens FILE")
     assert main(["ptq", "--hf", str(bare), *ids[:2]]) == 2
     one_line_error(capsys, "--mc-items 0")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "olmo2"])
+def test_lazy_loading_gives_the_resident_numbers(family, tmp_path):
+    """A checkpoint in shards, its decoder layers read one sublayer at a time (hf/lazy.py, the meta device
+    in between): outliers and the ABC walk (RTN and GPTQ) give exactly the numbers of the model loaded whole,
+    and between two sublayers no decoder weight is in memory."""
+    from optquant.metrics.outliers import outlier_metrics
+    from optquant.metrics.propagation import propagation_of
+
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]())
+    hf_model.save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    assert len(list((tmp_path / "m").glob("*.safetensors"))) > 1
+    whole, lazy = load_hf(tmp_path / "m"), load_hf(tmp_path / "m", lazy=True)
+    assert all(p.is_meta for sub in lazy.sublayers() for p in sub.parameters())
+    batches, calib = [tokens(2, seed=s) for s in (1, 2)], tokens(8, seed=3)
+    assert repr(outlier_metrics(lazy, batches)) == repr(outlier_metrics(whole, batches))
+    for qcfg in (PTQConfig(), PTQConfig(method="gptq", a_bits=16, w_group_size=32)):
+        cfg = PropagationConfig(granularity="linear")
+        got, want = (propagation_of(m, qcfg, batches, cfg, calib) for m in (lazy, whole))
+        assert repr(got) == repr(want)  # every float equal (repr: nan too)
+    assert all(p.is_meta for sub in lazy.sublayers() for p in sub.parameters())
+    (tmp_path / "m" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(OptquantError, match="not a safetensors index"):
+        load_hf(tmp_path / "m", lazy=True)
+
+
+def test_a_bf16_checkpoint_stays_bf16_unless_asked(tmp_path):
+    """The stored dtype by default (whole and lazy), fp32 with dtype="float32" (the analysis before issue 33)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES["llama"]())
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    for lazy in (False, True):
+        model = load_hf(tmp_path / "m", lazy=lazy)
+        assert model.embed.weight.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.bfloat16
+        assert load_hf(tmp_path / "m", dtype="float32", lazy=lazy).embed.weight.dtype == torch.float32
+    with pytest.raises(OptquantError, match="--dtype"):
+        load_hf(tmp_path / "m", dtype="int8")

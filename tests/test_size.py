@@ -30,7 +30,12 @@ from pathlib import Path
 # resumable shards, the checked manifest and the memory-mapped stream), cli/data.py, and the epoch guard in
 # data.py, the dry runs and the study: the issue's whole corpus step, no second copy of the raw readers:
 # budget 15,300.
-BUDGET = 15_300
+# Issue 33 (a real-size HF model on one machine) added ~480: the lazily loaded checkpoint (hf/lazy.py, 136: meta
+# model, per-sublayer reads, the names checked), the ABC walk that quantizes one sublayer at a time (metrics/chain.py,
+# 170, mostly moved out of propagation.py), GPTQ over cached sublayer inputs with stacked solves (+70 in quant/ptq.py),
+# the chunked loss (+40).
+# Both merged: 15,755, budget 15,780.
+BUDGET = 15_780
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

@@ -6,13 +6,16 @@ fp32 (docs/benchmarks.md), so `auto` means fp32 there. `train.precision` and Muo
 `ns_dtype` both go through `use_bf16`.
 
 `keep_freed_memory` is the other machine fact: how glibc's malloc returns memory to the kernel.
+`resident(module)` holds a lazily loaded module's weights in memory for a block (optquant.hf.lazy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -73,3 +76,18 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(M_MMAP_THRESHOLD, KEEP_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
     except (OSError, AttributeError):  # musl and others have no mallopt
         return False
+
+
+@contextlib.contextmanager
+def resident(module: torch.nn.Module, device: torch.device | None = None) -> Iterator[torch.nn.Module]:
+    """`module` with its weights in memory for the block: a lazily loaded one (a `_lazy_weights` handle with
+    load_/release_, optquant.hf.lazy) is read onto `device` now and released after; any other is a no-op."""
+    lazy = getattr(module, "_lazy_weights", None)
+    if lazy is None:
+        yield module
+        return
+    lazy.load_(module, device or torch.device("cpu"))
+    try:
+        yield module
+    finally:
+        lazy.release_(module)

@@ -9,6 +9,13 @@ acc_norm = argmax of that log-likelihood divided by the continuation's length in
 `completion_len = len(choice)` on the string; `length="bytes"` or `"tokens"` switch the unit). Ties go
 to the first choice, as with np.argmax.
 
+Memory: on a chain model (`embed`, `sublayers()`, `head`: ours and optquant.hf's) the loss and the
+choices' log-likelihoods are read from the final hidden states in chunks of rows, at most `LOGITS_BYTES`
+of fp32 logits at a time, so the (tokens × vocabulary) logits never exist whole (a 152k vocabulary makes
+them 0.6 GB per 1,024 tokens); the multiple-choice task evaluates the head only at the k continuation
+positions. Each chunk's cross-entropy is summed in fp64; a batch within one chunk computes exactly what
+the unchunked code did.
+
 The real harness (lm-eval) and the adapter that scores our models with it are in harness.py.
 """
 
@@ -55,6 +62,29 @@ def _autocast(model: nn.Module, dtype: torch.dtype | None):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+LOGITS_BYTES = 64 * 2**20  # fp32 logits per chunk: the activation buffer of the loss read-out
+
+
+def hidden_states(model: nn.Module, x: Tensor) -> Tensor | None:
+    """The final residual stream (B, T, D) of a chain model (what `head` reads), None for other modules."""
+    if not all(hasattr(model, a) for a in ("embed", "sublayers", "head")):
+        return None
+    h = model.embed(x)
+    for sub in model.sublayers():
+        h = sub(h)
+    return h
+
+
+def head_rows(model: nn.Module, h: Tensor, budget: int | None = None) -> Iterator[tuple[slice, Tensor]]:
+    """(rows, fp32 logits) of the hidden states h (…, D) flattened to rows, in chunks of ≤ `budget` bytes
+    (default LOGITS_BYTES)."""
+    rows, budget = h.reshape(-1, h.shape[-1]), budget or LOGITS_BYTES
+    vocab = model.lm_head.out_features if hasattr(model, "lm_head") else model.head(rows[:1]).shape[-1]
+    step = max(1, budget // (4 * vocab))
+    for i in range(0, rows.shape[0], step):
+        yield slice(i, i + step), model.head(rows[i : i + step]).float()
+
+
 @dataclass(frozen=True)
 class LossResult:
     loss: float  # mean next-token cross-entropy (nats), token-weighted over all batches
@@ -75,9 +105,15 @@ def val_loss(model: nn.Module, batches: Iterable, autocast: torch.dtype | None =
             x, y = batch if isinstance(batch, tuple | list) else (batch[:, :-1], batch[:, 1:])
             x, y = x.to(device), y.to(device)
             with _autocast(model, autocast):
-                logits = model(x)
-            ce = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), reduction="sum")
-            total += ce.item()
+                h = hidden_states(model, x)
+                if h is None:
+                    logits = model(x).float()
+                    chunks = [(slice(None), logits.reshape(-1, logits.size(-1)))]
+                else:
+                    chunks = head_rows(model, h)
+                flat = y.reshape(-1)
+                for rows, logits in chunks:
+                    total += F.cross_entropy(logits, flat[rows], reduction="sum").item()
             count += y.numel()
     if count == 0:
         raise OptquantError("val_loss: no batches given")
@@ -200,10 +236,16 @@ def continuation_logliks(
         for i in range(0, len(items), batch_size):
             chunk = items[i : i + batch_size]
             x = torch.tensor([it.context + c for it in chunk for c in it.choices], device=device)  # (b·K, m+k)
+            target = x[:, m:].reshape(-1)  # positions m-1.. predict tokens m..m+k-1
             with _autocast(model, autocast):
-                logits = model(x[:, :-1])
-            logp = torch.log_softmax(logits[:, m - 1 :].float(), dim=-1)  # predicts tokens m..m+k-1
-            ll = logp.gather(-1, x[:, m:, None]).squeeze(-1).sum(-1)
+                h = hidden_states(model, x[:, :-1])
+                if h is None:
+                    logits = model(x[:, :-1])[:, m - 1 :].float()
+                    chunks = [(slice(None), logits.reshape(-1, logits.size(-1)))]
+                else:  # the head at the k continuation positions only
+                    chunks = head_rows(model, h[:, m - 1 :])
+                picked = [torch.log_softmax(lg, dim=-1).gather(-1, target[rows, None]) for rows, lg in chunks]
+            ll = torch.cat(picked).view(len(x), k).sum(-1)
             out.append(ll.double().cpu().view(len(chunk), -1))
     return torch.cat(out).numpy()
 

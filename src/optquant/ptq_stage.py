@@ -6,15 +6,18 @@ FP and quantized (with `AnalysisConfig.harness` tasks, lm-eval's acc and acc_nor
 `analyze` measures the FP model's outliers (MMR, kurtosis, kurtRMS per layer) and the ABC error
 propagation between the FP model and its quantized copy, per module.
 
-Both evaluate in fp32 (no autocast), so the measured damage is the quantizer's and not bf16's.
+Both evaluate in the model's dtype without autocast: fp32 for our runs, so the measured damage is the
+quantizer's and not bf16's; a Hugging Face model in its stored one (optquant.hf, `--dtype` to choose).
 GPTQ calibrates on sequences from the *train* split; outliers and ABC use the first validation
 batches. Outputs go to `<run>/ptq/<weights>/<scheme>/` as JSON and parquet, written atomically.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -30,9 +33,11 @@ from optquant.errors import OptquantError
 from optquant.evaluate import MCConfig, mc_eval, val_loss
 from optquant.files import NUMBER, atomic_write_json, check_record, finite_json, read_json, write_parquet
 from optquant.harness import HarnessConfig
+from optquant.metrics.chain import shared_copy
 from optquant.metrics.outliers import aggregate, outlier_metrics
-from optquant.metrics.propagation import PropagationConfig, propagation, ptq_pair
-from optquant.quant.ptq import SCHEMES, PTQConfig
+from optquant.metrics.propagation import PropagationConfig, propagation, propagation_of
+from optquant.quant.ptq import SCHEMES, PTQConfig, quantize_
+from optquant.quant.rotate import rotate_model_
 from optquant.runs import PTQ_FILES, RunDir, Weights, read_config
 from optquant.train import build_model
 
@@ -68,29 +73,50 @@ def load_run_model(run_dir: Path, weights: Weights = "final") -> tuple[RunConfig
 
 class LoadedRun:
     """A run's config, model and tokens, loaded once and shared by the PTQ and analysis of one job,
-    with the (FP reference, quantized copy) pair of each scheme built once (GPTQ included)."""
+    with the (FP reference, quantized copy) pair of each scheme built once (GPTQ included). The quantized
+    copy shares every tensor but its quantized linears with the reference (`shared_copy`).
+
+    `owned` (a model loaded for one command, `LoadedRun.of`): the damage quantizes the model itself once
+    its FP numbers are taken, and the analysis makes the quantized sublayers one at a time
+    (`propagation_of`), so the model is held once; it is not reusable afterwards."""
 
     def __init__(self, run_dir: Path, weights: Weights):
         cfg, model = load_run_model(run_dir, weights)
         self._set(cfg, model, load_tokens(cfg.data, cfg.model.vocab_size))
 
     @classmethod
-    def of(cls, cfg: RunConfig, model: nn.Module, data) -> LoadedRun:
+    def of(cls, cfg: RunConfig, model: nn.Module, data, owned: bool = False) -> LoadedRun:
         """A model loaded elsewhere (e.g. a Hugging Face one, optquant.hf) with its config and tokens."""
         run = cls.__new__(cls)
-        run._set(cfg, model, data)
+        run._set(cfg, model, data, owned)
         return run
 
-    def _set(self, cfg: RunConfig, model: nn.Module, data) -> None:
-        self.cfg, self.model, self.data = cfg, model, data
+    def _set(self, cfg: RunConfig, model: nn.Module, data, owned: bool = False) -> None:
+        self.cfg, self.model, self.data, self.owned = cfg, model, data, owned
         self._pairs: dict[tuple, tuple[nn.Module, nn.Module]] = {}
+
+    def calib(self, qcfg: PTQConfig, acfg: AnalysisConfig) -> torch.Tensor | None:
+        return None if qcfg.method == "rtn" else _gptq_calib(self.cfg, self.data, acfg)
 
     def pair(self, qcfg: PTQConfig, acfg: AnalysisConfig) -> tuple[nn.Module, nn.Module]:
         key = (qcfg, acfg.gptq_sequences)
         if key not in self._pairs:
-            calib = None if qcfg.method == "rtn" else _gptq_calib(self.cfg, self.data, acfg)
-            self._pairs[key] = ptq_pair(self.model, qcfg, calib)
+            fp = self.model if qcfg.rotation == "none" else rotate_model_(copy.deepcopy(self.model))
+            q = quantize_(shared_copy(fp), dataclasses.replace(qcfg, rotation="none"), self.calib(qcfg, acfg))
+            self._pairs[key] = fp, q
         return self._pairs[key]
+
+    def models(self, qcfg: PTQConfig, acfg: AnalysisConfig) -> Iterator[tuple[str, nn.Module]]:
+        """("fp", the FP reference), then ("q", its quantized copy); owned: the model itself, quantized in
+        place between the two."""
+        if not self.owned:
+            yield from zip(("fp", "q"), self.pair(qcfg, acfg), strict=True)
+            return
+        if qcfg.rotation != "none":
+            rotate_model_(self.model)
+        yield "fp", self.model
+        yield "q", quantize_(self.model, dataclasses.replace(qcfg, rotation="none"), self.calib(qcfg, acfg))
+        self.model = None  # quantized: no second use
 
 
 def _batches(cfg: RunConfig, tokens, n: int, seed: int) -> list:
@@ -132,31 +158,32 @@ def model_damage(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out_path
     """ptq_damage on a loaded model (ours or optquant.hf's, see LoadedRun.of); writes out_path/summary.json."""
     cfg, data = run.cfg, run.data
     val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
-    fp, q = run.pair(qcfg, acfg)
     out = {"scheme": qcfg.name, "weights": acfg.weights, "ptq": dataclasses.asdict(qcfg)}
-    for tag, m in (("fp", fp), ("q", q)):
+    tasks: dict[str, dict] = {}
+    for tag, m in run.models(qcfg, acfg):
         out[f"val_loss_{tag}"] = val_loss(m, val).loss
         if acfg.mc_items:
             mc = mc_eval(m, data, mc_config(cfg, acfg))
             out[f"mc_acc_{tag}"], out[f"mc_acc_norm_{tag}"] = mc.acc, mc.acc_norm
+        if acfg.harness.tasks:
+            tasks[tag] = harness_scores(m, data, acfg.harness)
     out["delta_val_loss"] = out["val_loss_q"] - out["val_loss_fp"]
     if acfg.mc_items:
         out["delta_acc_norm"] = out["mc_acc_norm_q"] - out["mc_acc_norm_fp"]
     if acfg.harness.tasks:
         out["harness"] = dataclasses.asdict(acfg.harness)
-        out["tasks"] = harness_scores(fp, q, data, acfg.harness)
+        out["tasks"] = {t: {tag: tasks[tag][t] for tag in tasks} for t in acfg.harness.tasks}
     atomic_write_json(out_path / PTQ_FILES["damage"], out)
     return out
 
 
-def harness_scores(fp: nn.Module, q: nn.Module, data, h: HarnessConfig) -> dict[str, dict[str, dict]]:
-    """{task: {"fp": {acc, acc_stderr, acc_norm, acc_norm_stderr, n}, "q": {...}}} from lm-eval, zero-shot,
-    scored with the run's own tokenizer."""
+def harness_scores(m: nn.Module, data, h: HarnessConfig) -> dict[str, dict]:
+    """{task: {acc, acc_stderr, acc_norm, acc_norm_stderr, n}} of one model from lm-eval, zero-shot, scored
+    with the run's own tokenizer."""
     from optquant.harness import lm_eval_tasks
 
-    scores = {tag: lm_eval_tasks(m, data.tokenizer, data.eot_id, list(h.tasks), include_path=h.include_path or None,
-                                 limit=h.limit or None) for tag, m in (("fp", fp), ("q", q))}
-    return {t: {tag: scores[tag][t] for tag in scores} for t in h.tasks}
+    return lm_eval_tasks(m, data.tokenizer, data.eot_id, list(h.tasks), include_path=h.include_path or None,
+                         limit=h.limit or None)
 
 
 def covers(summary: dict[str, Any] | None, acfg: AnalysisConfig) -> bool:
@@ -184,8 +211,14 @@ def model_analysis(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out: P
     calib = _batches(cfg, data.val, acfg.calib_batches, cfg.seed + 12345)
     skip = () if qcfg.quantize_head else ("lm_head",)
     layers = outlier_metrics(model, calib, skip=skip)
-    fp, q = run.pair(qcfg, acfg)
-    rows, summary = propagation(fp, q, calib, PropagationConfig(granularity=acfg.granularity, skip=skip))
+    pcfg = PropagationConfig(granularity=acfg.granularity, skip=skip)
+    if (qcfg, acfg.gptq_sequences) in run._pairs:  # the pair the damage built (GPTQ once per job)
+        rows, summary = propagation(*run.pair(qcfg, acfg), calib, pcfg)
+    else:  # the model held once, its quantized sublayers made one at a time (rotated in place if owned)
+        walk = qcfg
+        if run.owned and qcfg.rotation != "none":
+            model, walk = rotate_model_(model), dataclasses.replace(qcfg, rotation="none")
+        rows, summary = propagation_of(model, walk, calib, pcfg, run.calib(qcfg, acfg))
     write_parquet(out / PTQ_FILES["outliers"], pd.DataFrame([dataclasses.asdict(r) for r in layers]))
     write_parquet(out / PTQ_FILES["propagation"], pd.DataFrame([dataclasses.asdict(r) for r in rows]))
     result = {"scheme": qcfg.name, "weights": acfg.weights, **aggregate(layers),

@@ -55,6 +55,8 @@ def _add_hf_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calib-tokens", type=Path, metavar="FILE", help="with --tokens: GPTQ's calibration ids, same "
                    "formats (default: the --tokens file)")
     g.add_argument("--seq-len", type=int, default=128, help="with --hf: tokens per window (default 128)")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="with --hf: the weights' dtype (default: the checkpoint's own; float32 = the analysis in fp32)")
     g.add_argument("--out", type=Path, help="with --hf: output directory (default: hf-analysis/<folder name>)")
 
 
@@ -90,7 +92,7 @@ def _hf_quant(args: argparse.Namespace, what: str) -> int:
         raise OptquantError(f"{what} --hf: --calib-tokens goes with --tokens")
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
     src = HFSource(args.hf, DataConfig(source=args.data), seq_len=args.seq_len, tokenizer=args.tokenizer,
-                   tokens=args.tokens, calib_tokens=args.calib_tokens)
+                   tokens=args.tokens, calib_tokens=args.calib_tokens, dtype=args.dtype)
     out = args.out or default_out(args.hf)
     result = (hf_damage if what == "ptq" else hf_analysis)(src, qcfg, acfg, out)
     print(json.dumps(result, indent=2))

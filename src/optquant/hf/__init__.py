@@ -48,18 +48,24 @@ def check_hf_config(path: Path) -> dict:
     return config
 
 
-def load_hf_model(path: Path):
-    """The HF model of a local folder, in fp32 and eval mode; nothing is downloaded. Weights that do not
-    match config.json (a missing, unexpected or differently shaped tensor) are an error: transformers
-    would initialise the missing ones at random and only say so in a log."""
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the checkpoint's own (config.json's dtype)
+
+
+def load_hf_model(path: Path, dtype: str = "auto"):
+    """The HF model of a local folder in eval mode, in its stored dtype (`dtype="auto"`: a bf16 checkpoint
+    stays bf16, held once) or the one given; nothing is downloaded. Weights that do not match config.json
+    (a missing, unexpected or differently shaped tensor) are an error: transformers would initialise the
+    missing ones at random and only say so in a log."""
     transformers = require_transformers()
     path = Path(path)
     if not (path / "config.json").is_file():
         raise OptquantError(f"{path}: not a Hugging Face model folder (no config.json)")
     config = check_hf_config(path)
+    if dtype not in DTYPES:
+        raise OptquantError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype="float32", local_files_only=True, output_loading_info=True)
+            path, dtype=dtype, local_files_only=True, output_loading_info=True)
     except Exception as e:  # transformers over files from elsewhere: any failure is bad input
         first = (str(e).strip().splitlines() or [""])[0]
         raise OptquantError(f"{path}: transformers could not load it ({type(e).__name__}: {first})") from None
@@ -72,13 +78,22 @@ def load_hf_model(path: Path):
     return model.eval()
 
 
-def load_hf(path: Path, seq_len: int = 128):
-    """The HF causal LM at `path` as an optquant chain (HFLM), fp32, eval mode."""
+def load_hf(path: Path, seq_len: int = 128, dtype: str = "auto", lazy: bool = False):
+    """The HF causal LM at `path` as an optquant chain (HFLM), in its stored dtype (or `dtype`), eval mode;
+    `lazy`: its decoder layers left in the safetensors files, read one sublayer at a time (hf/lazy.py)."""
     from optquant.hf.adapter import HFLM
 
     if type(seq_len) is not int or seq_len < 2:
         raise OptquantError(f"--seq-len {seq_len}: must be at least 2 tokens")
-    return HFLM(load_hf_model(path), seq_len=seq_len).eval()
+    if lazy:
+        from optquant.hf.lazy import load_lazy
+
+        if not (Path(path) / "config.json").is_file():
+            raise OptquantError(f"{path}: not a Hugging Face model folder (no config.json)")
+        if dtype not in DTYPES:
+            raise OptquantError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        return load_lazy(Path(path), dtype, seq_len)
+    return HFLM(load_hf_model(path, dtype), seq_len=seq_len).eval()
 
 
 def load_hf_tokenizer(path: Path, model: Path | None = None):

@@ -6,6 +6,10 @@ the folder's own tokenizer, its EOS token after every document. Validation windo
 ABC) come from the held-out documents, GPTQ calibration from the first training documents, and the
 built-in multiple-choice task from the held-out stream, all seeded as for our runs. Results go to
 `OUT/<scheme>/` (default OUT: `hf-analysis/<folder name>`), the same files `optquant ptq/analyze` write.
+The model stays in its stored dtype (`dtype`) and is held once: `ptq` quantizes it in place after its FP
+numbers; `analyze` reads the decoder layers lazily (hf/lazy.py), one sublayer at a time, and makes each
+quantized sublayer as it goes (not with a rotation, which loads the model whole). docs/your-own.md gives
+the memory of each.
 
 A folder without a tokenizer (a bare checkpoint) takes one from elsewhere (`tokenizer`: a tokenizer folder or a
 tokenizer.json; EOS from it or else config.json's eos_token_id), or token ids instead of text (`tokens`: the
@@ -42,6 +46,7 @@ class HFSource:
     tokenizer: Path | None = None  # a tokenizer folder or tokenizer.json (None: the model folder's own)
     tokens: Path | None = None  # token ids instead of text: the evaluation windows
     calib_tokens: Path | None = None  # with `tokens`: GPTQ's calibration windows (None: `tokens`)
+    dtype: str = "auto"  # the weights' dtype: the checkpoint's own, or one of optquant.hf.DTYPES
 
 
 def read_ids(path: Path, vocab_size: int, seq_len: int) -> np.ndarray:
@@ -89,8 +94,8 @@ def hf_tokens(src: HFSource, train_tokens: int) -> TokenData:
     return TokenData(encode(train_docs, train_tokens), encode(val_docs, None), vocab, backend, eos, f"hf:{src.path}")
 
 
-def _setup(src: HFSource, acfg: AnalysisConfig):
-    model = load_hf(src.path, src.seq_len)
+def _setup(src: HFSource, acfg: AnalysisConfig, lazy: bool = False):
+    model = load_hf(src.path, src.seq_len, src.dtype, lazy)
     seq_len = model.cfg.seq_len
     cfg = RunConfig(name=Path(src.path).name, model=ModelConfig(vocab_size=model.cfg.vocab_size, seq_len=seq_len),
                     data=src.data, train=TrainConfig(batch_size=src.batch_size, eval_batches=8))
@@ -109,9 +114,9 @@ def default_out(path: Path) -> Path:
 
 def hf_damage(src: HFSource, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
     cfg, model, data = _setup(src, acfg)
-    return model_damage(LoadedRun.of(cfg, model, data), qcfg, acfg, Path(out) / qcfg.name)
+    return model_damage(LoadedRun.of(cfg, model, data, owned=True), qcfg, acfg, Path(out) / qcfg.name)
 
 
 def hf_analysis(src: HFSource, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
-    cfg, model, data = _setup(src, acfg)
-    return model_analysis(LoadedRun.of(cfg, model, data), qcfg, acfg, Path(out) / qcfg.name)
+    cfg, model, data = _setup(src, acfg, lazy=qcfg.rotation == "none")  # the rotation needs every block at once
+    return model_analysis(LoadedRun.of(cfg, model, data, owned=True), qcfg, acfg, Path(out) / qcfg.name)

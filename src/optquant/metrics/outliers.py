@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from optquant.device import resident
 from optquant.evaluate import eval_mode, token_ids
 from optquant.metrics.capture import capture
 from optquant.quant.layers import linear_layers
@@ -221,10 +222,23 @@ def outlier_metrics(
         streams[key].add(y if key.startswith("residual:") else x)
 
     hooked = {key: m for key, (_, m) in sites.items()}
+    # a chain model is walked module by module over all batches (each lazily loaded module read once), and
+    # its head run only when a site is in it: the (tokens × vocabulary) logits are otherwise not needed
+    in_head = any(name.split(".")[0] in ("norm", "lm_head") for name, _ in sites.values())
+    chain = all(hasattr(model, a) for a in ("embed", "sublayers", "head"))
     with eval_mode(model), capture(model, hooked, outputs=residual, fn=on_forward):
         device = next(model.parameters()).device
-        for batch in batches:
-            model(token_ids(batch).to(device))
+        ids = [token_ids(batch).to(device) for batch in batches]
+        if not chain:
+            for idx in ids:
+                model(idx)
+        else:
+            hs = [model.embed(idx) for idx in ids]
+            for sub in model.sublayers():
+                with resident(sub, device):
+                    hs = [sub(h) for h in hs]
+            for h in hs if in_head else ():
+                model.head(h)
     rows, counters = [], {"linear": 0, "residual": 0}
     for key, (name, _) in sites.items():
         kind = key.split(":", 1)[0]

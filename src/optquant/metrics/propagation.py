@@ -20,7 +20,12 @@ input (q/k/v, up), so only o and down are evaluated again.
 
 Cost: a module's four evaluations are two calls, f and f^q on h and h^q stacked; f^q is not called
 when it computes f, nor h^q passed when it equals h (the first module). The unquantized head, W·norm(x)
-with W = QR, is not evaluated at all: ‖Wx‖ = ‖Rx‖ gives its rows from d-wide products. The bookkeeping
+with RᵀR = WᵀW, is not evaluated at all: ‖Wx‖ = ‖Rx‖ gives its rows from d-wide products.
+Memory: the walk goes module by module over all batches (metrics/chain.py), holding the two streams of
+every batch and one module's sums; `propagation_of(model, qcfg, ...)` holds the FP model once and
+makes each quantized sublayer as it is reached (sharing all but its quantized linears), so the analysis
+of a model needs its weights plus one sublayer, not three copies. A 16-bit model stays in its dtype: its
+evaluations run in it, the bookkeeping in fp32 (`rows2d`) with fp64 sums. The bookkeeping
 (a, b, ΔH, Gram matrices, spectral norms) computes in the model's dtype, fp32 for an fp32 model, and
 sums over rows and batches in fp64: a difference of two outputs is rounded relative to itself, so the
 terms agree with fp64 arithmetic to ~1e-7 (G1, G2 ~3e-7, through fp32 eigenvalues); an fp64 model gives
@@ -58,6 +63,7 @@ from torch import Tensor, nn
 from optquant.errors import OptquantError
 from optquant.evaluate import eval_mode, token_ids
 from optquant.metrics.capture import capture
+from optquant.metrics.chain import Link, model_links, quantized_links
 from optquant.metrics.gains import (
     gain_terms,
     gram,
@@ -68,7 +74,6 @@ from optquant.metrics.gains import (
     syrk,
     top_singular,
 )
-from optquant.quant.layers import QuantLinear, linear_layers
 from optquant.quant.ptq import PTQConfig, quantize_
 from optquant.quant.rotate import rotate_model_
 
@@ -231,84 +236,28 @@ def abc_terms(f: Callable, fq: Callable, h: Tensor, hq: Tensor, norm: Norm = "to
     return t | {"G": ratio(t["A"], t["R_in"])}
 
 
-@dataclass
-class _Link:
-    name: str
-    kind: str
-    f: Callable[[Tensor], Tensor]
-    fq: Callable[[Tensor], Tensor]
-    linears: list[str]  # qualified names of the quantized linears inside this module
-    same: bool  # fq computes exactly f (nothing quantized inside): f^q(x) = f(x) is not evaluated again
-    readout: tuple[nn.Module, Tensor] | None = None  # (norm, R) when f = f^q = W∘norm, W = QR: see _readout_rows
-
-
-def _chain(fp: nn.Module, q: nn.Module, cfg: PropagationConfig) -> list[_Link]:
-    for m, role in ((fp, "fp"), (q, "q")):
-        if not all(hasattr(m, a) for a in ("embed", "sublayers", "head", "norm")):
-            raise OptquantError(f"propagation: the {role} model lacks embed/sublayers/norm/head (an LM)")
-    subs, subs_q = fp.sublayers(), q.sublayers()
-    if len(subs) != len(subs_q):
-        raise OptquantError(f"propagation: fp has {len(subs)} sublayers but q has {len(subs_q)}")
-    names = {id(m): n for n, m in fp.named_modules()}
-    links = [_Link(names[id(s)], "sublayer", s, sq, [], _same((s,), (sq,))) for s, sq in zip(subs, subs_q, strict=True)]
-    if cfg.final == "logits":
-        links.append(_Link("head", "final", fp.head, q.head, [], _same((fp.norm, fp.lm_head), (q.norm, q.lm_head))))
-    elif cfg.final == "norm":
-        links.append(_Link("norm", "final", fp.norm, q.norm, [], _same((fp.norm,), (q.norm,))))
-    elif cfg.final != "none":
-        raise OptquantError(f"propagation: final must be logits|norm|none, got {cfg.final!r}")
-    if cfg.granularity == "linear":
-        prefixes = {"head": ("norm", "lm_head"), "norm": ("norm",)}
-        for name, _ in linear_layers(fp, skip=cfg.skip):
-            for link in links:
-                if any(name == p or name.startswith(p + ".") for p in prefixes.get(link.name, (link.name,))):
-                    link.linears.append(name)
-                    break
-    elif cfg.granularity != "sublayer":
-        raise OptquantError(f"propagation: granularity must be sublayer|linear, got {cfg.granularity!r}")
-    last = links[-1]
-    if last.name == "head" and last.same and not last.linears and _bias_free(fp.lm_head):
-        last.readout = fp.norm, torch.linalg.qr(rows2d(fp.lm_head.weight.detach()), mode="r").R
-    return links
-
-
-def _bias_free(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear | QuantLinear) and m.bias is None
-
-
-def _same(fp_parts: tuple[nn.Module, ...], q_parts: tuple[nn.Module, ...]) -> bool:
-    """Whether the quantized module computes exactly the FP one: the same layer types, none quantized,
-    and equal parameters and buffers (the head when lm_head is left in FP, as PTQ does by default)."""
-    mods = [[m for part in parts for m in part.modules()] for parts in (fp_parts, q_parts)]
-    if [type(m) for m in mods[0]] != [type(m) for m in mods[1]] or any(isinstance(m, QuantLinear) for m in mods[1]):
-        return False
-    ts = [[t for part in parts for t in (*part.parameters(), *part.buffers())] for parts in (fp_parts, q_parts)]
-    return len(ts[0]) == len(ts[1]) and all(torch.equal(a, b) for a, b in zip(*ts, strict=True))
-
-
 def _halves(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """The two halves of a stacked call's tensor; twice the tensor itself when the call was not stacked."""
     return (x, x) if x.shape[0] == n else (x[:n], x[n:])
 
 
-def _step_link(fp, q, link: _Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums],
+def _step_link(link: Link, h: Tensor, hq: Tensor, sums: dict[str, _Sums],
                inp: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
     """The four evaluations of one chain module (plus its linears), as two batched calls; returns the
     next (h, h^q) and their per-row input norms (this module's output norms: nothing is recomputed)."""
     if link.readout is not None:
         return None, None, _readout_rows(link.readout, h, hq, sums[link.name], inp)
-    fp_lin = {n: fp.get_submodule(n) for n in link.linears}
-    q_lin = {n: q.get_submodule(n) for n in link.linears}
+    fp_lin, q_lin = link.fp_lin, link.q_lin
     B = h.shape[0]
     # h and h^q stacked along the batch (every module acts on each sequence alone); h alone when they are
     # equal (the first module: both chains start from the same embedding)
     hh = h if torch.equal(h, hq) else torch.cat((h, hq))
-    with capture(fp, fp_lin, outputs=True) as acts_f:
+    with capture(None, fp_lin, outputs=True) as acts_f:
         y_ff, y_fq = _halves(link.f(hh), B)
     if link.same:
         (y_qf, y_qq), acts_q = (y_ff, y_fq), acts_f
     else:
-        with capture(q, q_lin, outputs=True) as acts_q:
+        with capture(None, q_lin, outputs=True) as acts_q:
             y_qf, y_qq = _halves(link.fq(hh), B)
     out = output_rows((y_ff, y_fq, y_qf, y_qq))
     sums[link.name].add_rows(inp, out)
@@ -344,15 +293,14 @@ def _readout_rows(readout: tuple[nn.Module, Tensor], h: Tensor, hq: Tensor, sums
     return y, d
 
 
-def _rows(links: list[_Link], sums: dict[str, _Sums]) -> list[ABCRow]:
+def _link_rows(idx: int, link: Link, sums: dict[str, _Sums]) -> list[ABCRow]:
     rows: list[ABCRow] = []
-    for idx, link in enumerate(links, start=1):
-        for name, kind in [*((n, "linear") for n in link.linears), (link.name, link.kind)]:
-            split = dict(zip(("G1", "G2", "G_lin"), sums[name].gains(), strict=True))
-            for norm in ("token", "tensor"):
-                t = sums[name].terms(norm)
-                rows.append(ABCRow(idx, name, kind, norm, **t, G=ratio(t["A"], t["R_in"]),
-                                   **(split if norm == "tensor" else {})))
+    for name, kind in [*((n, "linear") for n in link.linears), (link.name, link.kind)]:
+        split = dict(zip(("G1", "G2", "G_lin"), sums[name].gains(), strict=True))
+        for norm in ("token", "tensor"):
+            t = sums[name].terms(norm)
+            rows.append(ABCRow(idx, name, kind, norm, **t, G=ratio(t["A"], t["R_in"]),
+                               **(split if norm == "tensor" else {})))
     return rows
 
 
@@ -375,19 +323,37 @@ def propagation(
     `batches` yields token ids (B, T) or (x, y) pairs. Cost: four evaluations per chain module, run as
     two calls on the stacked inputs; a module's output norms are its successor's input norms.
     """
-    links = _chain(fp, q, cfg)
-    sums = {link.name: _Sums() for link in links}
-    sums |= {n: _Sums(fp.get_submodule(n).weight, q.get_submodule(n).weight) for link in links for n in link.linears}
     with eval_mode(fp, q):
-        device = next(fp.parameters()).device
-        for batch in batches:
-            idx = token_ids(batch).to(device)
-            h, hq = fp.embed(idx), q.embed(idx)
-            inp = _Input(h, hq).rows
-            for link in links:
-                h, hq, inp = _step_link(fp, q, link, h, hq, sums, inp)
-    rows = _rows(links, sums)
-    return rows, summarize(rows, cfg.norm)
+        return _walk(fp, q.embed, model_links(fp, q, cfg), batches, cfg.norm)
+
+
+@torch.no_grad()
+def propagation_of(model: nn.Module, qcfg: PTQConfig, batches: Iterable, cfg: PropagationConfig = PropagationConfig(),
+                   calib=None) -> tuple[list[ABCRow], ABCSummary]:
+    """`propagation(*ptq_pair(model, qcfg, calib), batches, cfg)` holding the FP model once: the quantized
+    sublayers are made one at a time as the walk reaches them (metrics/chain.py). With a rotation the
+    rotated FP model is made first, in a copy."""
+    if qcfg.rotation != "none":
+        model = rotate_model_(copy.deepcopy(model))
+        qcfg = replace(qcfg, rotation="none")
+    with eval_mode(model):
+        return _walk(model, model.embed, quantized_links(model, qcfg, cfg, calib), batches, cfg.norm)
+
+
+def _walk(fp: nn.Module, q_embed, links: Iterable[Link], batches: Iterable, norm: Norm):
+    """The chain, module by module over every batch (so each module is needed once): the FP and quantized
+    streams of all batches are held, the terms summed per module, its rows made as it is left."""
+    device = next(fp.parameters()).device
+    ids = [token_ids(b).to(device) for b in batches]
+    streams = [(fp.embed(i), q_embed(i)) for i in ids]
+    inps = [_Input(h, hq).rows for h, hq in streams]
+    rows: list[ABCRow] = []
+    for idx, link in enumerate(links, start=1):
+        sums = {link.name: _Sums()} | {n: _Sums(link.fp_lin[n].weight, link.q_lin[n].weight) for n in link.linears}
+        for i, (h, hq) in enumerate(streams):
+            *streams[i], inps[i] = _step_link(link, h, hq, sums, inps[i])
+        rows += _link_rows(idx, link, sums)
+    return rows, summarize(rows, norm)
 
 
 def _finite_mean(vals: list[float]) -> float:

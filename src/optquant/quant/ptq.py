@@ -12,13 +12,19 @@ read off `.weight`) and the activation spec: forward(x) = x̂ Ŵᵀ with x̂ = f
 GPTQ is sequential, as in the gptq/QuaRot references: the calibration data runs through the model
 with the already-quantized earlier layers in place, so each layer's Hessian comes from the inputs it
 will really see. Layers are processed in the order the forward pass actually calls them; layers that
-read the very same input tensor (q/k/v, gate/up) share one pass and are quantized together from the
-same Hessian. Each pass stops (via an exception from a hook) as soon as the next input arrives, so a
-model with L groups costs about L/2 forward passes. During calibration activations stay unquantized
-(QuaRot's order: GPTQ weights first, then activation quantizers are switched on).
+read the very same input tensor (q/k/v, gate/up) form one group: one Hessian, and one GPTQ solve of
+their stacked rows (rows are independent given H; not for NVFP4, whose scale is per tensor).
+On a chain model (`embed`, `sublayers()`, `head`: ours and optquant.hf's) the calibration inputs of
+each residual sublayer are cached, as IST-DASLab/gptq and llm-compressor's sequential pipeline cache a
+block's: a group's pass runs that sublayer alone on them and stops (via an exception from a hook) once
+the group is captured, and the sublayer, quantized, then maps them to the next one's inputs. The
+numbers are those of the whole-model pass (each group sees every earlier layer quantized: IST-DASLab's
+true-sequential order), at about 2.3 forward passes in all. Other module trees take the generic pass
+from the model's input, stopping likewise, about L/2 forward passes for L groups. During calibration
+activations stay unquantized (QuaRot's order: GPTQ weights first, then activation quantizers are on).
 
-Left out on purpose: caching block inputs (the generic early-stopping pass works for any module
-tree), static activation scales, KV-cache / attention-matmul quantization (the paper keeps them FP).
+Left out on purpose: static activation scales, KV-cache / attention-matmul quantization (the paper
+keeps them FP).
 """
 
 from __future__ import annotations
@@ -158,11 +164,16 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
         _gptq_(model, layers, cfg, calib)
     else:
         for name, lin in layers:
-            spec = cfg.weight_spec
-            W = lin.weight.detach().clone() if spec is None else fake_quant(lin.weight.detach(), spec)
-            replace_module(model, name, QuantLinear(W, lin.bias, cfg.act_spec, cfg.name))
+            replace_module(model, name, rtn_linear(lin, cfg))
     log.info("quantized %d linear layers with %s", len(layers), cfg.name)
     return model
+
+
+def rtn_linear(lin: nn.Module, cfg: PTQConfig) -> QuantLinear:
+    """The QuantLinear of one layer under RTN (weights rounded to nearest, activations as cfg says)."""
+    spec = cfg.weight_spec
+    W = lin.weight.detach().clone() if spec is None else fake_quant(lin.weight.detach(), spec)
+    return QuantLinear(W, lin.bias, cfg.act_spec, cfg.name)
 
 
 def check_group_sizes(layers: list[tuple[str, nn.Linear]], cfg: PTQConfig) -> None:
@@ -203,9 +214,11 @@ class _Stop(Exception):
     """Raised by a hook to end a calibration forward once the current input group is captured."""
 
 
-def _capture_group(model: nn.Module, pending: dict[str, nn.Module], batches: list[Tensor]) -> dict:
-    """Hessians of the first pending layers the forward calls, all reading the same input tensor."""
-    acc: dict[str, tuple[Tensor | None, int]] = {}
+def _capture_group(model, pending: dict[str, nn.Module], batches: list[Tensor]) -> dict[str, Tensor]:
+    """The shared Hessian of the first pending layers `model` calls, all reading the same input tensor; a
+    pass stops at the next pending layer with another input, or once every pending layer is captured."""
+    H: list = [None, 0]  # the group's running (H, N)
+    group: list[str] = []
     state: dict[str, Tensor | None] = {"input": None}
 
     def hook_for(name: str):
@@ -213,9 +226,13 @@ def _capture_group(model: nn.Module, pending: dict[str, nn.Module], batches: lis
             x = args[0]
             if state["input"] is None:
                 state["input"] = x
+                H[:] = accumulate_hessian(*H, x)
             elif x is not state["input"]:
                 raise _Stop
-            acc[name] = accumulate_hessian(*acc.get(name, (None, 0)), x)
+            if name not in group:
+                group.append(name)
+            if len(group) == len(pending):
+                raise _Stop
 
         return hook
 
@@ -230,27 +247,78 @@ def _capture_group(model: nn.Module, pending: dict[str, nn.Module], batches: lis
     finally:
         for h in handles:
             h.remove()
-    return {name: H for name, (H, _) in acc.items()}
+    return {name: H[0] for name in group}
+
+
+def _solve_group(model: nn.Module, pending: dict[str, nn.Module], hessians: dict[str, Tensor], cfg: PTQConfig,
+                 done: list[QuantLinear]) -> None:
+    """GPTQ of one captured group: the layers' weights stacked by rows (one column loop), then split back."""
+    names = list(hessians)
+    lins = [pending.pop(n) for n in names]
+    spec, H = cfg.weight_spec, next(iter(hessians.values()))
+    stack = spec.format != "nvfp4" and len({lin.weight.dtype for lin in lins}) == 1
+    parts = [[lin] for lin in lins] if not stack else [lins]
+    for part in parts:
+        W = torch.cat([lin.weight.detach() for lin in part]) if len(part) > 1 else part[0].weight
+        Q = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=GPTQ_BLOCK_SIZE, act_order=cfg.act_order)
+        for lin, Qi in zip(part, Q.split([lin.out_features for lin in part]), strict=True):
+            name = names[lins.index(lin)]
+            done.append(replace_module(model, name, QuantLinear(Qi.contiguous(), lin.bias, None, cfg.name)))
+            log.debug("GPTQ quantized %s", name)
+
+
+def _chain_units(model: nn.Module, pending: dict[str, nn.Module]) -> list[tuple]:
+    """(unit, its pending layers) of a chain model: each residual sublayer, then the head (norm + LM
+    head); empty for other module trees, or when a pending layer lies outside every unit."""
+    if not all(hasattr(model, a) for a in ("embed", "sublayers", "head")):
+        return []
+    where = {id(m): n for n, m in model.named_modules()}
+    prefixes = [where[id(sub)] + "." for sub in model.sublayers()] + ["norm.", "lm_head"]
+    units = [(sub, {}) for sub in model.sublayers()] + [(model.head, {})]
+    for name, lin in pending.items():
+        i = next((i for i, p in enumerate(prefixes) if name == p or name.startswith(p)), None)
+        if i is None:
+            return []
+        units[min(i, len(units) - 1)][1][name] = lin
+    return units
+
+
+@torch.no_grad()
+def quantize_unit_(root: nn.Module, unit, layers: dict[str, nn.Module], cfg: PTQConfig,
+                   xs: list[Tensor] | None = None, outputs: bool = True) -> list[Tensor] | None:
+    """Quantize `layers` (named as in `root`) of one chain unit (a callable that runs them) in place: RTN,
+    or GPTQ from the unit's calibration inputs `xs` in true-sequential groups. Returns the unit's outputs
+    on `xs`, its weights quantized and activations not (the next unit's calibration inputs; None without
+    `xs` or `outputs`). Afterwards the activation quantizers are on."""
+    if cfg.method != "gptq" or cfg.w_bits >= OFF or xs is None:
+        for name, lin in layers.items():
+            replace_module(root, name, rtn_linear(lin, cfg))
+        return [unit(x) for x in xs] if xs is not None and outputs else None
+    pending, done = dict(layers), []
+    while pending and (hessians := _capture_group(unit, pending, xs)):
+        _solve_group(root, pending, hessians, cfg, done)
+    if pending:
+        log.warning("GPTQ: %d layers never ran on the calibration data; using RTN", len(pending))
+        done += [replace_module(root, n, rtn_linear(lin, cfg)) for n, lin in pending.items()]
+    ys = [unit(x) for x in xs] if outputs else None
+    for layer in done:  # activations stayed FP during calibration; switch their quantizers on now
+        layer.act = cfg.act_spec
+    return ys
 
 
 def _gptq_(model: nn.Module, layers: list[tuple[str, nn.Module]], cfg: PTQConfig, calib) -> None:
-    device = next(model.parameters()).device
-    batches = _calib_batches(calib, cfg.n_calib, device)
-    pending = dict(layers)
-    done: list[QuantLinear] = []
-    while pending:
-        hessians = _capture_group(model, pending, batches)
-        if not hessians:
-            log.warning("GPTQ: %d layers never ran on the calibration data; using RTN", len(pending))
-            for name, lin in pending.items():
-                Q = fake_quant(lin.weight.detach(), cfg.weight_spec)
-                done.append(replace_module(model, name, QuantLinear(Q, lin.bias, None, cfg.name)))
-            break
-        for name, H in hessians.items():
-            lin = pending.pop(name)
-            spec, bs = cfg.weight_spec, GPTQ_BLOCK_SIZE
-            Q = gptq_quantize(lin.weight, H, spec, damp=cfg.damp, block_size=bs, act_order=cfg.act_order)
-            done.append(replace_module(model, name, QuantLinear(Q, lin.bias, None, cfg.name)))
-            log.debug("GPTQ quantized %s", name)
+    batches = _calib_batches(calib, cfg.n_calib, next(model.parameters()).device)
+    units = _chain_units(model, dict(layers))
+    if units:  # each unit's inputs cached, moved through the model once
+        xs = [model.embed(b) for b in batches]
+        for i, (unit, mine) in enumerate(units):
+            xs = quantize_unit_(model, unit, mine, cfg, xs, outputs=any(m for _, m in units[i + 1 :]))
+        return
+    pending, done = dict(layers), []
+    while pending and (hessians := _capture_group(model, pending, batches)):
+        _solve_group(model, pending, hessians, cfg, done)
+    if pending:
+        log.warning("GPTQ: %d layers never ran on the calibration data; using RTN", len(pending))
+        done += [replace_module(model, n, rtn_linear(lin, cfg)) for n, lin in pending.items()]
     for layer in done:  # activations stayed FP during calibration; switch their quantizers on now
         layer.act = cfg.act_spec

@@ -1,0 +1,145 @@
+"""A Hugging Face checkpoint loaded lazily: the decoder layers' weights stay in their safetensors files
+(memory-mapped, read one chain module at a time), the rest is read at once.
+
+`load_lazy(path, dtype)` builds the HF model on the meta device (no memory), reads the embedding, final
+norm and LM head (what every pass needs at its ends), and gives each residual sublayer of the HFLM chain a
+`LazyWeights` handle: `with device.resident(sublayer):` reads that sublayer's tensors from the shards (one
+`safe_open` per file, which maps it) onto the embedding's device and puts them back on the meta device on
+exit, so a walk over the chain (metrics/chain.py, metrics/outliers.py) holds one sublayer at a time. On a
+GPU the embedding is on the GPU and each block is read onto it: the same code runs offloaded.
+
+The checkpoint is checked as `load_hf_model` checks it (names and shapes against the model built from
+config.json; a missing or extra tensor is an error). Left out on purpose: quantized checkpoints, and
+passes that need every block at once (the Hadamard rotation, lm-eval): they load the model whole.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from optquant.errors import OptquantError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def shard_index(path: Path) -> dict[str, Path]:
+    """{tensor name: its safetensors file} of an HF folder (one file, or an index of shards)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise OptquantError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise OptquantError(f"{path}: lazy loading needs safetensors weights (model.safetensors or an index)")
+    from safetensors import safe_open
+
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+class LazyWeights:
+    """The checkpoint tensors of one module: {attribute path inside it: (file, tensor name)}."""
+
+    def __init__(self, module: nn.Module, prefix: str, index: dict[str, Path], dtype: torch.dtype):
+        self.where = {n: (index[prefix + n], prefix + n) for n, _ in module.named_parameters()}
+        self.dtype = dtype
+
+    def load_(self, module: nn.Module, device: torch.device) -> None:
+        from safetensors import safe_open
+
+        files = {f for f, _ in self.where.values()}
+        for file in files:
+            with safe_open(file, "pt", device=str(device)) as f:
+                for attr, (fi, key) in self.where.items():
+                    if fi == file:
+                        _set(module, attr, f.get_tensor(key).to(self.dtype))
+
+    def release_(self, module: nn.Module) -> None:
+        for attr in self.where:
+            p = module.get_parameter(attr)
+            _set(module, attr, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+
+
+def _set(module: nn.Module, attr: str, t: torch.Tensor) -> None:
+    parent, _, name = attr.rpartition(".")
+    owner = module.get_submodule(parent) if parent else module
+    owner._parameters[name] = nn.Parameter(t, requires_grad=False)
+
+
+def load_lazy(path: Path, dtype: str, seq_len: int):
+    """The HFLM chain of the checkpoint at `path`, its residual sublayers lazily loaded (see the module
+    docstring); everything else read now, in `dtype` ("auto": config.json's torch dtype)."""
+    from optquant.hf import check_hf_config, require_transformers
+    from optquant.hf.adapter import HFLM
+
+    transformers = require_transformers()
+    check_hf_config(path)
+    try:  # transformers and safetensors over files from elsewhere: any failure is bad input
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        want = _DTYPES.get(dtype) or (config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32)
+        index = shard_index(path)
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(config, dtype=want)
+        _check_names(path, hf, index, config)
+    except OptquantError:
+        raise
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise OptquantError(f"{path}: transformers could not load it ({type(e).__name__}: {first})") from None
+    base = hf.model
+    base.rotary_emb = type(base.rotary_emb)(config=config)  # its buffers are computed, not stored
+    model = HFLM(hf, seq_len=seq_len)
+    names = {id(m): n for n, m in hf.named_modules()}
+    for sub in model.sublayers():
+        for m in (sub.inner, sub.norm):
+            object.__setattr__(m, "_lazy_weights", LazyWeights(m, names[id(m)] + ".", index, want))
+        object.__setattr__(sub, "_lazy_weights", _Group([sub.inner, sub.norm]))
+    try:
+        for m in (base.embed_tokens, base.norm, *(() if config.tie_word_embeddings else (hf.lm_head,))):
+            LazyWeights(m, names[id(m)] + ".", index, want).load_(m, torch.device("cpu"))
+    except Exception as e:  # a shard that the index names but that is not safetensors
+        raise OptquantError(f"{path}: unreadable weights ({type(e).__name__}: {str(e).splitlines()[:1]})") from None
+    if config.tie_word_embeddings:
+        hf.lm_head.weight = base.embed_tokens.weight
+    return model.eval()
+
+
+class _Group:
+    """The lazy weights of a residual sublayer: those of its inner module and of its norm."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.parts = parts
+
+    def load_(self, module: nn.Module, device: torch.device) -> None:
+        for m in self.parts:
+            m._lazy_weights.load_(m, device)
+
+    def release_(self, module: nn.Module) -> None:
+        for m in self.parts:
+            m._lazy_weights.release_(m)
+
+
+def _check_names(path: Path, hf: nn.Module, index: dict[str, Path], config) -> None:
+    """The checkpoint holds exactly the model's tensors, each of its shape (a tied head may be absent)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in set(index.values()):
+        with safe_open(file, "pt") as f:
+            shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    want = {n: tuple(p.shape) for n, p in hf.named_parameters(remove_duplicate=False)}
+    if config.tie_word_embeddings:
+        want.pop("lm_head.weight", None)
+    missing = sorted(set(want) - set(shapes))
+    wrong = sorted(set(shapes) - set(want) - {"lm_head.weight"}) + sorted(
+        n for n in set(want) & set(shapes) if want[n] != shapes[n])
+    if missing or wrong:
+        raise OptquantError(f"{path}: the weights do not match config.json (model_type {config.model_type!r}): "
+                            f"missing {missing[:3]}, unexpected or mis-shaped {wrong[:3]}")
