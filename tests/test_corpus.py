@@ -416,3 +416,32 @@ def test_a_run_is_evaluated_on_its_prepared_corpus_and_refused_on_one_prepared_a
         TrainJob(cfg, run).done()
     after = {p: p.read_bytes() for p in before}
     assert after == before
+
+
+def test_the_two_documented_commands_take_a_parquet_directory_to_the_gpu_dry_run(tmp_path, capsys):
+    """docs/scale-out.md's two commands, as written (its paths replaced by temporary ones), on a directory of
+    FineWeb-style parquet files (a text column beside others, several row groups): the prepare trains the
+    presets' 32k BPE, and the gpu dry run counts the corpus from the manifest."""
+    import shlex
+
+    doc = (Path(__file__).parents[1] / "docs" / "scale-out.md").read_text()
+    block = doc.split("A web corpus gets in with two commands", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.split(" #")[0].strip() for line in block.strip().splitlines()]
+    assert len(commands) == 2 and all(c.startswith("optquant ") for c in commands)
+    src, out = tmp_path / "ClimbMix10m", tmp_path / "climbmix-tok"
+    src.mkdir()
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9))) for _ in range(30000)]
+    for i in range(3):
+        docs = [" ".join(rng.choice(words) for _ in range(rng.randint(50, 300))) + "." for _ in range(600)]
+        pq.write_table(pa.table({"id": [f"<urn:{i}-{j}>" for j in range(len(docs))], "text": docs,
+                                 "url": [f"https://example.org/{j}" for j in range(len(docs))]}),
+                       src / f"part-{i:05d}.parquet", row_group_size=200)
+    for command in commands:
+        argv = shlex.split(command.replace("~/ClimbMix10m/", f"{src}/").replace("~/climbmix-tok", str(out)))
+        assert main(argv[1:]) == 0, command
+    m = read_manifest(out)
+    assert m["tokenizer"]["vocab_size"] == 32000 and m["totals"]["train"]["documents"] > 1500
+    lines = [x.split() for x in capsys.readouterr().out.splitlines()]
+    sizes = [x for x in lines if x[:1] in (["50m"], ["125m"]) and f"{m['totals']['train']['tokens']:,}" in x]
+    assert len(sizes) == 2
