@@ -152,8 +152,10 @@ def write_config(path: Path, cfg: RunConfig, corpus_id: str | None = None) -> No
 def check_corpus(path: Path, source: str) -> None:
     """Refuse a run recorded on another prepared corpus than data.source holds now (prepared again into the same
     directory, or edited): resuming, continuing or evaluating it would mix two corpora."""
-    file = RunDir(path).config
-    record = read_json(file) if file.is_file() else None
+    try:  # a damaged record is config.json's own error where it is read (read_config); a resume rewrites it
+        record = read_json(RunDir(path).config)
+    except OptquantError:
+        record = None
     recorded = record.get("corpus_id") if isinstance(record, dict) else None
     if recorded is None:
         return
@@ -161,7 +163,7 @@ def check_corpus(path: Path, source: str) -> None:
 
     now = source_id(source) if is_prepared(source) else None
     if now != recorded:
-        raise OptquantError(f"{path} was trained on corpus {recorded[:16]}, but data.source={source} now holds "
+        raise OptquantError(f"{path} was trained on corpus {str(recorded)[:16]}, but data.source={source} now holds "
                             f"{'corpus ' + now[:16] if now else 'no prepared corpus'}; restore that corpus, or "
                             "train a new run in another --out")
 
