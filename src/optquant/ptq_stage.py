@@ -28,7 +28,7 @@ from torch import nn
 
 from optquant.checkpoint import load_weights
 from optquant.config import RunConfig
-from optquant.data import fixed_batches, load_tokens
+from optquant.data import TokenData, fixed_batches, load_tokens
 from optquant.errors import OptquantError
 from optquant.evaluate import MCConfig, mc_eval, val_loss
 from optquant.files import NUMBER, atomic_write_json, check_record, finite_json, read_json, write_parquet
@@ -38,7 +38,7 @@ from optquant.metrics.outliers import aggregate, outlier_metrics
 from optquant.metrics.propagation import PropagationConfig, propagation, propagation_of
 from optquant.quant.ptq import SCHEMES, PTQConfig, quantize_
 from optquant.quant.rotate import rotate_model_
-from optquant.runs import PTQ_FILES, RunDir, Weights, read_config
+from optquant.runs import PTQ_FILES, RunDir, Weights, check_corpus, read_config
 from optquant.train import build_model
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,12 @@ def load_run_model(run_dir: Path, weights: Weights = "final") -> tuple[RunConfig
     return cfg, load_weights(path, build_model(cfg)).eval()
 
 
+def run_tokens(run_dir: Path, cfg: RunConfig) -> TokenData:
+    """The tokens and tokenizer a run trained on (its data.source), refused if that corpus was prepared again."""
+    check_corpus(run_dir, cfg.data.source)
+    return load_tokens(cfg.data, cfg.model.vocab_size)
+
+
 class LoadedRun:
     """A run's config, model and tokens, loaded once and shared by the PTQ and analysis of one job,
     with the (FP reference, quantized copy) pair of each scheme built once (GPTQ included). The quantized
@@ -82,7 +88,7 @@ class LoadedRun:
 
     def __init__(self, run_dir: Path, weights: Weights):
         cfg, model = load_run_model(run_dir, weights)
-        self._set(cfg, model, load_tokens(cfg.data, cfg.model.vocab_size))
+        self._set(cfg, model, run_tokens(run_dir, cfg))
 
     @classmethod
     def of(cls, cfg: RunConfig, model: nn.Module, data, owned: bool = False) -> LoadedRun:
@@ -234,7 +240,7 @@ def fp_outliers(run_dir: Path, acfg: AnalysisConfig = AnalysisConfig()) -> dict[
     if path.exists():
         return read_json(path)
     cfg, model = load_run_model(run_dir, acfg.weights)
-    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    data = run_tokens(run_dir, cfg)
     result = finite_json(aggregate(outlier_metrics(model, _batches(cfg, data.val, acfg.calib_batches,
                                                                    cfg.seed + 12345))))
     atomic_write_json(path, result)

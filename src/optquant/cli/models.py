@@ -40,11 +40,10 @@ def _load_model(run_dir: Path | None, hf: Path | None, weights: str = "final", s
         from optquant.hf import load_hf, load_hf_tokenizer
 
         return load_hf(hf, seq_len), *load_hf_tokenizer(hf)
-    from optquant.data import load_tokens
-    from optquant.ptq_stage import load_run_model
+    from optquant.ptq_stage import load_run_model, run_tokens
 
     cfg, model = load_run_model(run_dir, weights)
-    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    data = run_tokens(run_dir, cfg)
     return model, data.tokenizer, data.eot_id, None
 
 

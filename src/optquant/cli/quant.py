@@ -47,7 +47,8 @@ def _add_hf_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf", type=Path, metavar="PATH", help="analyse a local Hugging Face causal LM folder "
                    "(Llama, Mistral, Qwen2, Qwen3, OLMo2) instead of a run; nothing is downloaded")
     g.add_argument("--data", default="embedded", metavar="SRC", help="with --hf: the text to evaluate on, "
-                   "encoded with the folder's tokenizer (default: the embedded corpus; or .txt/.jsonl/.parquet)")
+                   "encoded with the folder's tokenizer (default: the embedded corpus; or .txt/.jsonl/.parquet, or a "
+                   "directory from optquant data prepare --tokenizer <the model's>)")
     g.add_argument("--tokenizer", type=Path, metavar="PATH", help="with --hf: a tokenizer folder or tokenizer.json "
                    "for a checkpoint without one (EOS: its own, else config.json's eos_token_id)")
     g.add_argument("--tokens", type=Path, metavar="FILE", help="with --hf: token ids instead of --data text, for the "
