@@ -223,3 +223,40 @@ def test_the_exports_name_the_hf_modules():
     assert groups["group_w8"]["targets"] == ["re:^model[.]layers[.]0[.]self_attn[.]q_proj$"]
     assert groups["group_w4"]["input_activations"] is None and set(groups) == {"group_w4", "group_w8"}
     assert "model.layers.1.mlp.up_proj" not in torchao_snippet(bits, names)  # 16 bits: left in FP
+
+
+def roundtrip_with_llmcompressor(run, tmp_path) -> None:
+    """The plan's recipe applied by llm-compressor (`oneshot`, RTN weight-only on the full [-8, 7] grid it uses) to
+    the run's HF export: the modules it quantizes and their bits are the plan's, and the logits, hence the loss,
+    agree with optquant's model quantized by the plan."""
+    import transformers
+    from llmcompressor import oneshot
+
+    from optquant.evaluate import val_loss
+    from optquant.model import lm_loss
+    from optquant.ptq_stage import LoadedRun, _batches
+
+    plan, recipe, hf = tmp_path / "plan.json", tmp_path / "recipe.yaml", tmp_path / "hf"
+    assert main(["bits", str(run), "--avg-bits", "5", "--a-bits", "16", "--grid", "full", "--plan-out", str(plan),
+                 "--recipe", str(recipe)]) == 0
+    assert main(["export", str(run), "--hf", str(hf)]) == 0
+    bits = {m: v["bits"] for m, v in json.loads(plan.read_text())["modules"].items()}
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, local_files_only=True)
+    oneshot(model=model, recipe=str(recipe))
+    names = hf_names(bits)
+    got = {n: m.quantization_scheme.weights.num_bits for n, m in model.named_modules()
+           if getattr(m, "quantization_scheme", None) is not None}
+    assert got == {names[m]: b for m, b in bits.items()}
+    ours = LoadedRun(run, "final")
+    val = _batches(ours.cfg, ours.data.val, 2, 0)
+    fp = val_loss(ours.model, val).loss
+    q = quantize_(ours.model, PTQConfig(a_bits=16, grid="full", plan=tuple(bits.items())))
+    with torch.no_grad():
+        theirs = sum(lm_loss(lambda x: model(x).logits, x, y).item() for x, y in val) / len(val)
+    assert theirs == pytest.approx(val_loss(q, val).loss, abs=1e-5) and abs(theirs - fp) > 1e-3, (theirs, fp)
+    print(f"llm-compressor: loss {theirs:.6f}; optquant, the plan: {val_loss(q, val).loss:.6f}; FP {fp:.6f}")
+
+
+def test_the_recipe_round_trips_through_llmcompressor(nano_run, tmp_path):
+    pytest.importorskip("llmcompressor")
+    roundtrip_with_llmcompressor(nano_run, tmp_path)
