@@ -69,7 +69,7 @@ def test_the_budget_is_met_exactly_where_it_can_be():
     assert average_bits(solve(params, gains, 8, (4, 8)), params) == 8
 
 
-@pytest.mark.parametrize("avg", [3.9, 8.5])
+@pytest.mark.parametrize("avg", [3.9, 8.5, float("nan"), float("inf")])
 def test_an_impossible_average_is_an_error(avg):
     with pytest.raises(OptquantError, match="impossible"):
         solve({"a": 10}, {"a": {4: 0.0, 8: 1.0}}, avg, (4, 8))

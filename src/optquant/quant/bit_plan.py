@@ -49,7 +49,7 @@ def check_choices(choices: Iterable[int], fmt: str = "int") -> tuple[int, ...]:
 
 def budget_units(params: dict[str, int], avg_bits: float, choices: tuple[int, ...]) -> Fraction:
     """Σ n_m (avg − b₀): the weight-bits a plan may add over all at b₀; an impossible average is an error."""
-    avg = Fraction(str(avg_bits))
+    avg = Fraction(str(avg_bits)) if math.isfinite(avg_bits) else Fraction(-1)
     if not choices[0] <= avg <= choices[-1]:
         raise OptquantError(f"bits: --avg-bits {avg_bits} is impossible with choices {list(choices)}: it must lie "
                             f"in [{choices[0]}, {choices[-1]}]")
