@@ -265,3 +265,34 @@ def read_result(run_dir: Path, acfg: AnalysisConfig, scheme: str, what: Literal[
     check_record(path, record, {**dict.fromkeys(numbers, (*NUMBER, type(None))), "scheme": (str,),
                                 "weights": (str,)}, redo, finite=False)
     return record
+
+
+def model_bits(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, avg_bits: float, choices: tuple[int, ...],
+               score: Literal["abc", "oracle"] = "abc") -> dict[str, Any]:
+    """A bit plan of a loaded model (quant/bit_plan.py): `abc`, one ABC walk with every linear at the lowest
+    choice; `oracle`, one validation loss per (module, higher choice) plus one at the lowest."""
+    from optquant.quant.bit_plan import abc_gains, budget_units, check_choices, measured_gains, plan_record, solve
+    from optquant.quant.layers import linear_layers
+
+    cfg, model, data = run.cfg, run.model, run.data
+    choices = check_choices(choices, qcfg.format)
+    skip = () if qcfg.quantize_head else ("lm_head",)
+    params = {n: lin.weight.numel() for n, lin in linear_layers(model, skip=skip)}
+    budget_units(params, avg_bits, choices)  # an impossible average fails before any work
+    low = dataclasses.replace(qcfg, plan=tuple((n, choices[0]) for n in params))
+    if score == "abc":
+        pcfg = PropagationConfig(granularity="linear", skip=skip)
+        calib = _batches(cfg, data.val, acfg.calib_batches, cfg.seed + 12345)
+        rows, _ = propagation_of(model, low, calib, pcfg, run.calib(low, acfg))
+        gains = abc_gains(rows, params, choices)
+    elif score == "oracle":
+        val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
+        fp = model if qcfg.rotation == "none" else rotate_model_(copy.deepcopy(model))
+        walk = dataclasses.replace(qcfg, rotation="none")
+        gains = measured_gains(params, choices, lambda bits: val_loss(quantize_(
+            shared_copy(fp), dataclasses.replace(walk, plan=tuple(bits.items())), run.calib(walk, acfg)), val).loss)
+    else:
+        raise OptquantError(f"bits: --score must be abc or oracle, got {score!r}")
+    plan = solve(params, gains, avg_bits, choices)
+    return plan_record(plan, params, gains, {k: v for k, v in dataclasses.asdict(qcfg).items() if k != "plan"},
+                       avg_bits, choices, score)
