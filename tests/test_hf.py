@@ -244,7 +244,7 @@ def test_a_bare_checkpoint_analyses_with_tokens_or_a_tokenizer_as_with_its_own(n
     assert main(["analyze", "--hf", str(bare), "--tokens", str(tmp_path / "2d.npy"), "--seq-len", "32"]) == 2
     one_line_error(capsys, "1-D array of integers")
     assert main(["analyze", "--hf", str(bare), "--seq-len", "32"]) == 2
-    one_line_error(capsys, str(bare), "--tokenizer PATH or --tokens FILE")
+    one_line_error(capsys, str(bare), "--tokenizer PATH (ptq/analyze: or --tokens FILE)")
     assert main(["ptq", "--hf", str(bare), *ids[:2]]) == 2
     one_line_error(capsys, "--mc-items 0")
 
