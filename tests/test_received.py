@@ -329,7 +329,7 @@ def test_report_on_a_damaged_best_json_is_an_error(tiny_study, tmp_path, capsys)
     copy = tmp_path / "study"
     shutil.copytree(tiny_study[1], copy)
     best = json.loads((copy / "best.json").read_text())
-    (copy / "best.json").write_text(json.dumps({k: {**v, "best_lr": "high"} for k, v in best.items()}))
+    (copy / "best.json").write_text(json.dumps([{**v, "best_lr": "high"} for v in best]))
     assert main(["report", str(copy)]) == 2
     one_line_error(capsys, "best.json", "best_lr")
 

@@ -114,8 +114,7 @@ def test_cl_losses_spread_and_unbracketed_lrs(smoke_study):
     open_ = {k for k, v in best.items() if (v.get("status") or ("edge" if v.get("edge") else "bracketed"))
              not in ("bracketed", "refined")}  # fmt: skip
     lr = lr_status_table(d)
-    assert {f"{r[1]}/{r[0]}" for r in lr.rows} == {
-        f"{d.label(k.split('/')[0])}/{d.size_label(k.split('/')[1])}" for k in open_}
+    assert {(r[1], r[0]) for r in lr.rows} == {(d.label(o), d.size_label(s)) for o, s in open_}
     assert all(r[4] for r in lr.rows)  # every unbracketed search carries its reason
 
 
@@ -156,7 +155,7 @@ def test_a_claim_the_design_cannot_decide_says_not_testable(smoke_study):
     for key in ("fp_best", "ptq_most", "mmr_low", "qat_not_fp"):
         assert got[key].startswith(NOT_TESTABLE) and "Muon's embeddings step size" in got[key], key
     assert got["a_dominates"] == ok["a_dominates"] and got["mmr_lr"] == ok["mmr_lr"]
-    capped = {**d.best, "adamw/nano": {**d.best["adamw/nano"], "status": "cap"}}
+    capped = {**d.best, ("adamw", "nano"): {**d.best[("adamw", "nano")], "status": "cap"}}
     assert "AdamW's LR at nano (cap)" in check_claims(replace(d, best=capped))["fp_best"][1].verdict
 
 

@@ -84,8 +84,9 @@ def test_study_end_to_end_with_sweep(smoke_study):
     assert set(qat.bits) == {4} and set(qat["size"]) == set(sizes)  # carried as data, not parsed from names
     # every LR search ends with a status; only bracketed ones are unflagged
     best = json.loads((root / "best.json").read_text())
-    assert {b["status"] for b in best.values()} <= {"bracketed", "diverged", "cap", "no-converged-lr"}
-    assert all(b["seeds"] == 2 for b in best.values())
+    assert {b["status"] for b in best} <= {"bracketed", "diverged", "cap", "no-converged-lr"}
+    assert all(b["seeds"] == 2 for b in best)
+    assert sorted((b["optimizer"], b["size"]) for b in best) == [(o, s) for o in ("adamw", "muon") for s in sizes]
     # PTQ of every finished sweep run's final model (for within-size correlations)
     sweep = df[(df.kind == "fp") & (df.scheme == "w4a4-rtn") & (df.metric == "delta_val_loss")]
     assert len(sweep) == len(df[(df.kind == "fp") & (df.metric == "final_val_loss")])

@@ -84,12 +84,14 @@ def split_gpu_overrides(overrides: list[str]) -> tuple[GPUConfig, list[str]]:
 
 
 # ------------------------------------------------------------------------------------ optimizer state
-def optimizer_state_bytes(model: nn.Module, optim: Any) -> int:
+def optimizer_state_bytes(model: nn.Module, optim: Any) -> int | None:
     """Bytes of optimizer state `optim` (an optimizer config) allocates for `model` (any device, meta
-    included), after its first step: each parameter's `optim.state_bytes` (optquant.optim)."""
+    included), after its first step: each parameter's `optim.state_bytes` (optquant.optim); None when
+    the optimizer declares no layout (a plugin: its runs measure their state)."""
     groups = split_params(model)
-    return sum(optim.state_bytes(tuple(p.shape), p.element_size(), group)
-               for group in ("embeddings", "vectors", "matrices") for p in getattr(groups, group))
+    sizes = [optim.state_bytes(tuple(p.shape), p.element_size(), group)
+             for group in ("embeddings", "vectors", "matrices") for p in getattr(groups, group)]
+    return None if None in sizes else sum(sizes)
 
 
 # ------------------------------------------------------------------------------------------ activations
@@ -122,7 +124,7 @@ class RunCost:
     micro_batch: int
     weights: int
     grads: int
-    state: int
+    state: int | None  # None: unknown (a plugin), left out of `memory`
     activations: int
     gpu_hours: float
     fits: bool
@@ -130,7 +132,7 @@ class RunCost:
 
     @property
     def memory(self) -> int:
-        return self.weights + self.grads + self.state + self.activations
+        return self.weights + self.grads + (self.state or 0) + self.activations
 
     @property
     def step_seconds(self) -> float:
@@ -186,7 +188,7 @@ def run_cost(cfg, plan: GPUConfig = DEFAULT_GPU, model: nn.Module | None = None)
     bf16 = tc.precision != "fp32"  # auto = bf16 on every GPU with bf16 (the planner's targets)
     micro = tc.batch_size // (tc.grad_accum * plan.gpus_per_run)
     acts = activation_bytes(cfg, micro, bf16)
-    fits = weights * 2 + state + acts <= acc.memory
+    fits = weights * 2 + (state or 0) + acts <= acc.memory
     hours = flops / (acc.bf16_flops * plan.mfu) / 3600
     budget = RunCost(n, n_ne, steps, tokens, flops, micro, weights, weights, state, acts, hours, fits, None)
     return budget if fits else replace(budget, fix=_fix(cfg, plan, model, budget))
@@ -196,7 +198,7 @@ def _fix(cfg, plan: GPUConfig, model: nn.Module, b: RunCost) -> str:
     """The smallest change that fits: a larger grad_accum (smaller micro-batch), else a lower cap."""
     acc, tc = plan.accelerator(), cfg.train
     bf16 = tc.precision != "fp32"
-    fixed = 2 * b.weights + b.state
+    fixed = 2 * b.weights + (b.state or 0)
     per_gpu = tc.batch_size // plan.gpus_per_run
     if fixed < acc.memory:
         for accum in range(tc.grad_accum + 1, per_gpu + 1):
@@ -216,7 +218,9 @@ def _fix(cfg, plan: GPUConfig, model: nn.Module, b: RunCost) -> str:
     return f"nothing on one {acc.name}: weights, gradients and optimizer state alone need {gb(fixed)}"
 
 
-def gb(n: float) -> str:
+def gb(n: float | None) -> str:
+    if n is None:
+        return "unknown"
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
@@ -228,7 +232,8 @@ def cost_lines(cfg, plan: GPUConfig = DEFAULT_GPU) -> list[str]:
         f"  parameters {b.n_params:,} ({b.n_params_non_embedding:,} non-embedding)",
         f"  tokens {b.tokens:,} = {b.steps:,} steps × {cfg.train.batch_size} × {cfg.model.seq_len}",
         f"  training FLOPs {b.flops:.3g} (6·N·D + attention)",
-        f"  peak memory {gb(b.memory)} per GPU at micro-batch {b.micro_batch}: weights {gb(b.weights)}, "
+        f"  peak memory {'≥ ' * (b.state is None)}{gb(b.memory)} per GPU at micro-batch {b.micro_batch}: "
+        f"weights {gb(b.weights)}, "
         f"gradients {gb(b.grads)}, optimizer state {gb(b.state)}, activations ≈ {gb(b.activations)}",
         f"  {b.gpu_hours:.3g} GPU-hours on {plan.gpus_per_run}× {acc.name} "
         f"(peak bf16 {acc.bf16_flops / 1e12:g} TFLOP/s, assumed MFU {plan.mfu:g}), "

@@ -135,9 +135,9 @@ class PluginConfig:
         if math.isnan(self.lr):
             object.__setattr__(self, "lr", default_lr(self.name))
 
-    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
+    def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> None:
         """Unknown: a plugin declares no state layout (a dry run says so; a real run measures its state)."""
-        raise OptquantError(f"no state layout for optimizer {self.name!r}")
+        return None
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         if math.isnan(self.lr):

@@ -37,8 +37,7 @@ def tuned(d: StudyData) -> str | None:
     if not d.best:
         return "no best.json: the LR searches cannot be checked"
     problems = []
-    for key, r in sorted(d.best.items()):
-        opt, _, size = key.partition("/")
+    for (opt, size), r in sorted(d.best.items()):
         if opt not in d.optimizers:
             continue
         if r.get("status") not in _TUNED:

@@ -27,7 +27,7 @@ import pandas as pd
 
 from optquant.errors import OptquantError
 from optquant.files import NUMBER, check_numeric_columns, check_record, parse_metrics, read_json, read_parquet
-from optquant.report.paper import LABELS, by_label
+from optquant.report.paper import by_label, label
 from optquant.runs import RunDir
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class StudyData:
     results: pd.DataFrame
     correlations: pd.DataFrame | None
     fits: dict | None
-    best: dict | None = None  # best.json: "<optimizer>/<size>" -> best_lr, status, reason, ...
+    best: dict | None = None  # best.json: (optimizer, size) -> best_lr, status, reason, ...
     blocks: dict[str, int] = field(default_factory=dict)  # size -> transformer blocks (study.json, else a run's config)
     machine: dict = field(default_factory=dict)  # study.json's `machine`: CPU, bf16, precision, threads, commit
     n_count: str = "total"  # what n_params counts: the token budget's (and the fits') N, "non_embedding" or "total"
@@ -171,7 +171,7 @@ class StudyData:
 
     # ---------------------------------------------------------------- display
     def label(self, opt: str) -> str:
-        return LABELS.get(opt, opt)
+        return label(opt)
 
     def color(self, opt: str) -> str:
         if opt in _COLORS:
@@ -241,18 +241,27 @@ def _blocks(root: Path, sizes_info: dict, results: pd.DataFrame) -> dict[str, in
     return out
 
 
-def _read_best(path: Path) -> dict | None:
-    """best.json, each entry checked for the types study/results.py writes."""
+def _read_best(path: Path) -> dict[tuple[str, str], dict] | None:
+    """best.json as {(optimizer, size): entry}, each entry checked for the types study/results.py writes:
+    a list of entries naming their optimizer and size, or (before issue 30) an object keyed
+    "<optimizer>/<size>", split at the last "/" (a size has none; a plugin's path may)."""
     best = _optional(read_json, path)
     if best is None:
         return None
-    if not isinstance(best, dict) or not all(isinstance(v, dict) for v in best.values()):
-        raise OptquantError(f"{path}: not a best-LR record (an object of objects); rerun optquant study")
-    for key, entry in best.items():
-        check_record(f"{path} entry {key!r}", entry, {"best_lr": (*NUMBER, type(None)), "status": (str,),
-                                                      "reason": (str, type(None)), "loss": (*NUMBER, type(None)),
-                                                      "seeds": (int,)}, "; rerun optquant study to rewrite it")
-    return best
+    if isinstance(best, dict) and all(isinstance(v, dict) and "/" in k for k, v in best.items()):
+        best = [{"optimizer": k.rpartition("/")[0], "size": k.rpartition("/")[2], **v} for k, v in best.items()]
+    if not isinstance(best, list) or not all(isinstance(v, dict) for v in best):
+        raise OptquantError(f"{path}: not a best-LR record (a list of objects); rerun optquant study")
+    out = {}
+    for i, entry in enumerate(best):
+        where = f"{path} entry {i}"
+        if not (isinstance(entry.get("optimizer"), str) and isinstance(entry.get("size"), str)):
+            raise OptquantError(f"{where}: no optimizer and size (strings); rerun optquant study to rewrite it")
+        check_record(where, entry, {"best_lr": (*NUMBER, type(None)), "status": (str,), "reason": (str, type(None)),
+                                    "loss": (*NUMBER, type(None)), "seeds": (int,)},
+                     "; rerun optquant study to rewrite it")
+        out[(entry["optimizer"], entry["size"])] = entry
+    return out
 
 
 def _read_results(path: Path) -> pd.DataFrame:

@@ -12,6 +12,7 @@ Left out on purpose: numbers only one garbled digest reports (e.g. [ZT]'s correl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 OPTIMIZERS = ("adamw", "muon", "psgd", "scion", "shampoo", "soap")
 LABELS = {
@@ -22,6 +23,13 @@ LABELS = {
     "shampoo": "Shampoo",
     "soap": "SOAP",
 }
+
+
+def label(opt: str) -> str:
+    """An optimizer's name in the report: the paper's label, or a plugin as the user typed it with a path
+    shortened to its file (`examples/lion.py:make_optimizer` → `lion.py:make_optimizer`)."""
+    module, colon, attr = opt.rpartition(":")
+    return LABELS.get(opt) or (f"{Path(module).name}:{attr}" if colon and module.endswith(".py") else opt)
 
 
 def by_label(names) -> list[str]:

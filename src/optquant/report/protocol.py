@@ -53,11 +53,10 @@ def lr_status_table(d: StudyData) -> Table:
     if not d.best:
         return not_run("lr-status", title, "no best.json")
     rows = []
-    for k, r in sorted(d.best.items()):
+    for (opt, size), r in sorted(d.best.items()):
         status = r.get("status") or ("edge" if r.get("edge") else "bracketed")
         if status in BRACKETED:
             continue
-        opt, _, size = k.partition("/")
         reason = r.get("reason") or ("best LR at the grid edge" if status == "edge" else "")
         lr = r.get("best_lr")
         rows.append((d.size_label(size), d.label(opt), fmt_lr(math.nan if lr is None else float(lr)), status, reason))
@@ -84,11 +83,10 @@ def tuning_table(d: StudyData) -> Table:
     title = "Tuning — every step size, how it was chosen, and the share of parameters it moves"
     if not d.best or not any(r.get("groups") for r in d.best.values()):
         return not_run("tuning", title, "no step-size groups in best.json")
-    sizes = [s for s in d.sizes if any(k.endswith(f"/{s}") for k in d.best)]
+    sizes = [s for s in d.sizes if any(size == s for _, size in d.best)]
     cells: dict[tuple[str, str, str], dict[str, str]] = {}
     share: dict[tuple[str, str, str], float] = {}
-    for k, r in d.best.items():
-        opt, _, size = k.partition("/")
+    for (opt, size), r in d.best.items():
         for g in r.get("groups") or []:
             key = (opt, g["group"], g["rule"])
             ratio = f" ({g['ratio']:.3g} × LR)" if g["rule"] in ("tied", "tied-fixed") else ""

@@ -22,6 +22,7 @@ import pandas as pd
 from optquant.files import read_parquet
 from optquant.report.figures import Plot, grid, missing, save
 from optquant.report.html import Section
+from optquant.report.paper import label
 from optquant.report.tables import Table, not_run
 from optquant.stats import ALPHA, holm, paired_test
 
@@ -67,7 +68,7 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
     cells = _cells(df, scheme)
     cols = ("optimizer", "method", "n", "Δ damage (arm − plain) [95 % CI]", "change", "p", "p_Holm",
             "Δ final FP loss [95 % CI]", "p_Holm FP", "step time ×", "R_L change", "CL reached")
-    rows = tuple((c["opt"], c["arm"], str(c["test"].n),
+    rows = tuple((label(c["opt"]), c["arm"], str(c["test"].n),
                   f"{_fmt(c['test'].mean_diff)} [{_fmt(c['test'].lo)}, {_fmt(c['test'].hi)}]",
                   f"{_fmt(c['change'], 1)} %", f"{c['test'].p:.3g}", f"{c['test_holm']:.3g}",
                   f"{_fmt(c['fp'].mean_diff)} [{_fmt(c['fp'].lo)}, {_fmt(c['fp'].hi)}]", f"{c['fp_holm']:.3g}",
@@ -88,7 +89,7 @@ def verdict(cells: list[dict]) -> str:
         cut = c["test_holm"] < ALPHA and c["test"].mean_diff < 0
         fp_ok = not (c["fp_holm"] < ALPHA and c["fp"].mean_diff > 0)
         if cut and fp_ok:
-            good[c["arm"]].append(c["opt"])
+            good[c["arm"]].append(label(c["opt"]))
         goal[c["arm"]] &= cut and fp_ok and c["change"] <= GOAL[0] and c["cost"] <= GOAL[1]
     n_opt = len({c["opt"] for c in cells})
     parts = [f"{arm}: {'every optimizer' if len(o) == n_opt else ', '.join(o) if o else 'no optimizer'}"
@@ -122,7 +123,7 @@ def fig_pareto(df: pd.DataFrame, scheme: str, out: Path) -> Plot:
         for i, arm in enumerate(arms):
             g = wide[(wide["optimizer"] == opt) & (wide["arm"] == arm)]
             ax.scatter(g["val_loss_fp"], g["delta_val_loss"], s=14, marker=markers[arm], color=f"C{i}", label=arm)
-        ax.set_title(opt, fontsize=9)
+        ax.set_title(label(opt), fontsize=9)
         ax.set_xlabel("final FP val loss")
         ax.set_ylabel(f"Δ val loss ({scheme})")
     axes[0].legend(fontsize=7)

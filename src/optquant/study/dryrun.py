@@ -93,17 +93,19 @@ def study_lines(spec: StudySpec, plan: GPUConfig = DEFAULT_GPU) -> list[str]:
     """The dry-run plan of a study, as printed lines."""
     acc = plan.accelerator()
     budgets = run_costs(spec, plan)
+    w = max(9, *(len(o) for o in spec.optimizers))
     lines = [f"study {spec.name}: {len(spec.sizes)} sizes × {len(spec.optimizers)} optimizers, "
              f"{len(spec.seeds)} seed(s), executor {spec.executor}",
              f"accelerator {acc.name}: peak bf16 {acc.bf16_flops / 1e12:g} TFLOP/s, assumed MFU {plan.mfu:g}, "
              f"{gb(acc.memory)} per GPU, {plan.gpus_per_run} GPU(s) per run", "",
              "per run (one FP run; memory per GPU at the micro-batch):",
-             f"  {'size':>6} {'optimizer':9} {'params':>13} {'tokens':>15} {'FLOPs':>9} {'weights':>9} "
+             f"  {'size':>6} {'optimizer':{w}} {'params':>13} {'tokens':>15} {'FLOPs':>9} {'weights':>9} "
              f"{'grads':>9} {'opt state':>9} {'acts':>9} {'peak':>9} {'GPU-h':>9}"]
     warnings = []
     for (opt, size), b in sorted(budgets.items(), key=lambda kv: (spec.sizes.index(kv[0][1]), kv[0][0])):
-        lines.append(f"  {size:>6} {opt:9} {b.n_params:>13,} {b.tokens:>15,} {b.flops:>9.3g} {gb(b.weights):>9} "
-                     f"{gb(b.grads):>9} {gb(b.state):>9} {gb(b.activations):>9} {gb(b.memory):>9} "
+        peak = "≥" * (b.state is None) + gb(b.memory)  # a plugin's state is unknown until its run measures it
+        lines.append(f"  {size:>6} {opt:{w}} {b.n_params:>13,} {b.tokens:>15,} {b.flops:>9.3g} "
+                     f"{gb(b.weights):>9} {gb(b.grads):>9} {gb(b.state):>9} {gb(b.activations):>9} {peak:>9} "
                      f"{b.gpu_hours:>9.3g}")
         if not b.fits:
             warnings.append(f"WARNING {size} {opt}: needs {gb(b.memory)} > {gb(acc.memory)}; fix: {b.fix}")

@@ -253,7 +253,8 @@ def write_results(study, found: dict[tuple[str, str], LRSearch], thresholds: dic
     local = study.pool is not None and study.spec.executor == "local" and study.spec.workers > 1
     pool = study.pool.get() if local else None  # the fits on the study's workers, in parallel
     atomic_write_json(study.root / "fits.json", fits(df, study.spec.fit_interval, pool.map if pool else map))
-    atomic_write_json(study.root / "best.json", {f"{o}/{s}": best_record(r) for (o, s), r in found.items()})
+    atomic_write_json(study.root / "best.json",  # a list: an optimizer's name may be a path (a "/" in a key)
+                      [{"optimizer": o, "size": s, **best_record(r)} for (o, s), r in found.items()])
     log.info("results: %d rows, %d correlations", len(df), len(corr))
     return df
 
