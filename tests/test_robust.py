@@ -277,7 +277,7 @@ def test_robustness_table_pairs_units_and_states_the_verdict(tmp_path):
     assert c["test"].n == 10 and c["change"] == pytest.approx(-40.0) and c["cost"] == pytest.approx(1.2)
     assert c["test_holm"] == pytest.approx(2 / 2**10) and c["rl"] == pytest.approx(-40.0)
     assert "penalty:1: every optimizer" in verdict(cells) and "met by penalty:1" in verdict(cells)
-    assert table.rows[0][:3] == ("adamw", "penalty:1", "10") and table.rows[0][4] == "-40.0 %"
+    assert table.rows[0][:3] == ("AdamW", "penalty:1", "10") and table.rows[0][4] == "-40.0 %"
     _, cells = robustness_table(_robust_frame(cut=0.6, fp_cost=0.05), "w4a4-rtn")  # FP loss pays for it
     assert "penalty:1: no optimizer" in verdict(cells) and "not met" in verdict(cells)
     _, cells = robustness_table(_robust_frame(cut=1.0, fp_cost=0.0), "w4a4-rtn")  # no effect at all
