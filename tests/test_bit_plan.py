@@ -289,6 +289,28 @@ def test_the_cli_writes_a_plan_that_ptq_applies(nano_run, tmp_path, capsys):
     one_line_error(capsys, "bits 6", "choices")
 
 
+def test_the_report_shows_the_plans_bits_wrote_into_the_study(nano_run, tmp_path):
+    """A plan written by `optquant bits` into STUDY/bits/ becomes the report's Bit plans section: a row per module
+    with the plan's bits, shares that sum to 1 and follow the gains, and a figure; no plans, no section."""
+    from optquant.report.bit_plans import bits_section
+    from optquant.report.figures import Plot
+    from optquant.report.tables import Table
+
+    assert bits_section(tmp_path, tmp_path / "figures") is None
+    (tmp_path / "bits").mkdir()
+    plan = tmp_path / "bits" / "nano.json"
+    assert main(["bits", str(nano_run), "--avg-bits", "4.5", "--plan-out", str(plan)]) == 0
+    record = json.loads(plan.read_text())
+    section = bits_section(tmp_path, tmp_path / "figures")
+    table, fig = section.blocks
+    assert isinstance(table, Table) and isinstance(fig, Plot) and (tmp_path / fig.src).is_file()
+    got = {r[0]: (int(r[1]), float(r[2])) for r in table.rows}
+    want = {f"{m.split('.')[-1]} {m.split('.')[1]}": v["bits"] for m, v in record["modules"].items()}
+    assert {k: b for k, (b, _) in got.items()} == want and sum(s for _, s in got.values()) == pytest.approx(1, abs=5e-3)
+    top = max(record["modules"], key=lambda m: record["modules"][m]["gains"]["8"])
+    assert max(got, key=lambda k: got[k][1]) == f"{top.split('.')[-1]} {top.split('.')[1]}"
+
+
 def test_the_exports_name_the_hf_modules():
     bits = {"blocks.0.attn.inner.q_proj": 8, "blocks.0.mlp.inner.down_proj": 4, "blocks.1.mlp.inner.up_proj": 16}
     names = hf_names(bits)

@@ -193,7 +193,9 @@ def plan_record(plan: dict[str, int], params: dict[str, int], gains: dict[str, d
     """The plan as plan.json holds it."""
     return {"ptq": ptq, "choices": list(check_choices(choices)), "avg_bits": avg_bits,
             "plan_avg_bits": float(average_bits(plan, params)), "score": score,
-            "modules": {m: {"bits": b, "params": params[m], "gain": gains[m].get(b, 0.0)} for m, b in plan.items()}}
+            "modules": {m: {"bits": b, "params": params[m], "gain": gains[m].get(b, 0.0),
+                          "gains": {str(c): gains[m].get(c, 0.0) for c in check_choices(choices)}}
+                      for m, b in plan.items()}}
 
 
 def check_record(record, where: str) -> tuple[dict, tuple[int, ...], dict[str, int]]:
