@@ -5,12 +5,15 @@ For every run with final weights under STUDY/runs, at the PTQ scheme (default th
 - `abc`: the decomposition's score (quant/bit_plan.py, one ABC walk at 4 bits);
 - `sqnr`: the weight-quantization error power ‖Ŵ − W‖²/‖W‖² at 4 bits (HAWQ-free, data-free);
 - `mmr`, `kurtosis`: the outlier metrics of the module's input activations (metrics/outliers.py);
+- `hawq`: HAWQ-v2's tr(H_m)/n_m · ‖Q(W) − W‖², the trace by Hutchinson (4 Rademacher samples per calibration
+  batch); `fisher`: the same with the empirical Fisher's trace (mean ‖∇_m ℓ‖² over the calibration sequences);
 - `oracle`: greedy by measured damage (quantize all at 4, put one module at 8, measure; 1 + M val losses).
 Each cheap score is a module's gain as it stands (the knapsack maximizes its sum under the budget). Reported: each
 method's Δ val loss as mean ± sd [95 % t-interval] over the runs, its pooled cut 1 − ΣΔ_plan/ΣΔ_W4 (a per-run
 ratio is meaningless where a small run's Δ_W4 is near 0 or negative), and a paired sign-flip test against `abc`.
 Cost: `abc` is one walk (four evaluations per chain module on the calibration batches, as two stacked
-calls); `oracle` is (1 + M) quantized validation passes.
+calls); `hawq` one gradient and 4 Hessian-vector products per calibration batch (each ≈ 2 backward passes);
+`fisher` one gradient per calibration sequence; `oracle` (1 + M) quantized validation passes.
 
 Run: python benchmarks/bit_plan.py STUDY [--scheme w4a4-rtn] [--extra 0.25 0.5 1] [--runs N] [--json out.json]
 """
@@ -28,9 +31,8 @@ import torch
 
 from optquant.evaluate import val_loss
 from optquant.metrics.outliers import outlier_metrics
-from optquant.metrics.propagation import PropagationConfig, propagation_of
-from optquant.ptq_stage import AnalysisConfig, LoadedRun, _batches, scheme_config
-from optquant.quant.bit_plan import abc_gains, measured_gains, solve
+from optquant.ptq_stage import AnalysisConfig, LoadedRun, _batches, scheme_config, score_gains
+from optquant.quant.bit_plan import solve
 from optquant.quant.layers import linear_layers
 from optquant.quant.primitives import fake_quant
 from optquant.quant.ptq import quantize_
@@ -38,7 +40,8 @@ from optquant.runs import RunDir
 from optquant.stats import paired_test, summarize
 
 CHOICES = (4, 8)
-METHODS = ("abc", "sqnr", "mmr", "kurtosis", "oracle")
+METHODS = ("abc", "sqnr", "mmr", "kurtosis", "hawq", "fisher", "oracle")
+SCORED = ("abc", "hawq", "fisher", "oracle")  # through ptq_stage.score_gains, as `optquant bits --score`
 
 
 def cheap_gains(run: LoadedRun, qcfg, acfg: AnalysisConfig) -> dict[str, dict[str, dict[int, float]]]:
@@ -52,16 +55,6 @@ def cheap_gains(run: LoadedRun, qcfg, acfg: AnalysisConfig) -> dict[str, dict[st
     return {k: {n: {4: 0.0, 8: v} for n, v in s.items()} for k, s in out.items()}
 
 
-def full_gains(run: LoadedRun, qcfg, acfg: AnalysisConfig, method: str, params: dict[str, int], val) -> dict:
-    """Every module's gain at 8 bits under `abc` (one ABC walk at 4 bits) or `oracle` (1 + M val losses)."""
-    low = dataclasses.replace(qcfg, plan=tuple((n, 4) for n in params))
-    if method == "abc":
-        calib = _batches(run.cfg, run.data.val, acfg.calib_batches, run.cfg.seed + 12345)
-        rows, _ = propagation_of(run.model, low, calib, PropagationConfig(granularity="linear"), run.calib(low, acfg))
-        return abc_gains(rows, params, CHOICES)
-    return measured_gains(params, CHOICES, lambda bits: damage_of(run, qcfg, acfg, bits, val))
-
-
 def damage_of(run: LoadedRun, qcfg, acfg: AnalysisConfig, bits: dict[str, int], val) -> float:
     cfg = dataclasses.replace(qcfg, plan=tuple(bits.items()))
     return val_loss(quantize_(copy.deepcopy(run.model), cfg, run.calib(qcfg, acfg)), val).loss
@@ -73,7 +66,7 @@ def one_run(path: Path, scheme: str, extras: list[float]) -> list[dict]:
     params = {n: m.weight.numel() for n, m in linear_layers(run.model)}
     val = _batches(run.cfg, run.data.val, run.cfg.train.eval_batches, run.cfg.seed + 12345)
     fp = val_loss(run.model, val).loss
-    gains = cheap_gains(run, qcfg, acfg) | {m: full_gains(run, qcfg, acfg, m, params, val) for m in ("abc", "oracle")}
+    gains = cheap_gains(run, qcfg, acfg) | {m: score_gains(run, qcfg, acfg, params, CHOICES, m) for m in SCORED}
     uniform = damage_of(run, qcfg, acfg, {n: 4 for n in params}, val) - fp
     rows = []
     for extra in extras:
@@ -115,7 +108,8 @@ def main() -> None:
             cells.append(summarize(g[m].to_numpy()).text(4) + f", cut {cut:+.2f}{test}")
         print(f"| +{extra} | {summarize(g['uniform'].to_numpy()).text(4)} | {' | '.join(cells)} |")
     m = int(df["modules"].iloc[0])
-    print(f"cost per run: abc one ABC walk; oracle {1 + m} quantized validation passes (M = {m} modules)")
+    print(f"cost per run: abc one ABC walk; hawq 1 gradient + 4 Hessian-vector products per calibration batch; fisher "
+          f"1 gradient per calibration sequence; oracle {1 + m} quantized validation passes (M = {m} modules)")
 
 
 if __name__ == "__main__":

@@ -24,9 +24,12 @@ from optquant.errors import OptquantError
 from optquant.model import LM, model_config
 from optquant.quant.bit_plan import (
     average_bits,
+    fisher_traces,
+    hessian_traces,
     hf_names,
     llmcompressor_recipe,
     measured_gains,
+    perturbation_gains,
     solve,
     torchao_snippet,
 )
@@ -109,6 +112,74 @@ def test_a_plan_naming_a_module_not_in_the_model_is_an_error():
         PTQConfig(format="mxfp4", plan=(("x", 8),))
 
 
+def test_group_sizes_are_checked_at_each_modules_planned_bits():
+    """g128 tiles the 48-wide inputs (one group per row) but not down_proj's 192: an error only where down_proj is
+    quantized, whatever the base scheme says."""
+    model, _ = _lm()
+    down = tuple((n, 16) for n, _ in linear_layers(model) if n.endswith("down_proj"))
+    for cfg, ok in [(PTQConfig(a_bits=16, w_group_size=128), False),
+                    (PTQConfig(a_bits=16, w_group_size=128, plan=down), True),
+                    (PTQConfig(w_bits=16, a_bits=16, w_group_size=128, plan=((down[0][0], 4),)), False),
+                    (PTQConfig(w_bits=16, a_group_size=128, plan=down), True),
+                    (PTQConfig(w_bits=16, a_group_size=128, plan=((down[0][0], 8),)), False)]:
+        if ok:
+            quantize_(copy.deepcopy(model), cfg)
+        else:
+            with pytest.raises(OptquantError, match=r"group_size=128 does not divide the input width\(s\) \[192\]"):
+                quantize_(copy.deepcopy(model), cfg)
+
+
+def _quadratic(seed: int, n: int) -> torch.Tensor:
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return a + a.T
+
+
+def test_hutchinson_gives_the_hessian_trace_of_a_quadratic():
+    """L_b = ½ wᵀ A_b w over w = (W1 (2×3), w2 (4,)) flattened: H = mean A_b, tr H_1 and tr H_2 the sums of its
+    diagonal blocks. A diagonal H: every Rademacher sample gives the trace exactly; a dense one (blocks coupled):
+    the mean of 4000 samples lies within 4 standard errors, the error of one vᵀHv being 2 Σ_{i≠j} H_ij² in
+    variance (of the block's rows)."""
+    w1 = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    w2 = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    weights = {"w1": w1, "w2": w2}
+
+    def loss_of(a):
+        w = torch.cat([w1.reshape(-1), w2])
+        return 0.5 * w @ a @ w
+
+    diag = [torch.diag(torch.arange(1.0, 11.0, dtype=torch.float64) * s) for s in (1, 3)]
+    got = hessian_traces(loss_of, diag, weights, samples=1)
+    assert got == pytest.approx({"w1": 2 * 21, "w2": 2 * 34}, rel=1e-12)  # mean of 1..6 and 7..10, times 1 and 3
+    dense = [_quadratic(s, 10) for s in (0, 1)]
+    h = (dense[0] + dense[1]) / 2
+    got = hessian_traces(loss_of, dense, weights, samples=2000, seed=3)
+    for m, rows in (("w1", slice(0, 6)), ("w2", slice(6, 10))):
+        off = h[rows] - torch.diag_embed(torch.diagonal(h))[rows]
+        se = (2 * off.square().sum().item() / 4000) ** 0.5
+        assert abs(got[m] - torch.trace(h[rows, rows]).item()) < 4 * se, m
+    assert hessian_traces(loss_of, dense, weights, samples=2, seed=3) != got  # few samples: only an estimate
+
+
+def test_the_fisher_trace_is_the_mean_squared_gradient():
+    """ℓ(x, y) = ½‖W x − y‖²: ∇_W ℓ = (W x − y) xᵀ, so tr F = mean ‖W x − y‖² ‖x‖²."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 5, dtype=torch.float64, generator=gen).requires_grad_(True)
+    data = [(torch.randn(5, dtype=torch.float64, generator=gen), torch.randn(3, dtype=torch.float64, generator=gen))
+            for _ in range(7)]
+    got = fisher_traces(lambda s: 0.5 * (w @ s[0] - s[1]).square().sum(), data, {"w": w})
+    want = sum(((w @ x - y).square().sum() * x.square().sum()).item() for x, y in data) / len(data)
+    assert got == pytest.approx({"w": want}, rel=1e-12)
+
+
+def test_hawq_gains_are_the_trace_per_weight_times_the_rounding_error():
+    """W = [[1, 0.3, −0.6]] on the per-channel [−7, 7] grid (step 1/7): 0.3 → 2/7, −0.6 → −4/7; at 16 bits no error."""
+    w = torch.tensor([[1.0, 0.3, -0.6]])
+    spec = PTQConfig(a_bits=16).weight_spec
+    gains = perturbation_gains({"w": 6.0}, {"w": w}, lambda b: None if b == 16 else spec, (4, 16))
+    err = (0.3 - 2 / 7) ** 2 + (0.6 - 4 / 7) ** 2
+    assert gains["w"][4] == 0 and gains["w"][16] == pytest.approx(6.0 / 3 * err, rel=1e-6)
+
+
 class _Parallel(nn.Module):
     """Three linears on disjoint slices of the input, outputs concatenated: the squared error adds up exactly."""
 
@@ -157,9 +228,11 @@ def nano_run(tmp_path_factory, corpus):
 SENSITIVE = "blocks.1.attn.inner.v_proj"
 
 
-def test_the_decomposition_protects_a_sensitive_module_and_beats_uniform(nano_run):
+@pytest.mark.parametrize("score", ["abc", "hawq", "fisher"])
+def test_the_decomposition_protects_a_sensitive_module_and_beats_uniform(nano_run, score):
     """One module given an outlier input column (RTN per output channel then rounds all its other weights to 0):
-    the ABC plan at a budget of one small module at 8 bits picks it, and its loss is below uniform W4A4's."""
+    the plan (ABC's, and HAWQ's and Fisher's) at a budget of one small module at 8 bits picks it, and its loss is
+    below uniform W4A4's."""
     from optquant.evaluate import val_loss
     from optquant.ptq_stage import AnalysisConfig, LoadedRun, _batches, model_bits
 
@@ -168,7 +241,10 @@ def test_the_decomposition_protects_a_sensitive_module_and_beats_uniform(nano_ru
         run.model.get_submodule(SENSITIVE).weight[:, 3] *= 40
     params = {n: m.weight.numel() for n, m in linear_layers(run.model)}
     avg = float(4 + Fraction(4 * params[SENSITIVE], sum(params.values())))
-    record = model_bits(run, PTQConfig(), AnalysisConfig(), avg, (4, 8))
+    run.model.requires_grad_(False)  # HAWQ and Fisher turn the weights' gradients on for a while, then off again
+    before = [w.requires_grad for w in run.model.parameters()]
+    record = model_bits(run, PTQConfig(), AnalysisConfig(), avg, (4, 8), score)
+    assert [w.requires_grad for w in run.model.parameters()] == before
     plan = {m: v["bits"] for m, v in record["modules"].items()}
     assert plan[SENSITIVE] == 8 and record["plan_avg_bits"] == pytest.approx(avg)
     val = _batches(run.cfg, run.data.val, 4, 0)
@@ -211,6 +287,28 @@ def test_the_cli_writes_a_plan_that_ptq_applies(nano_run, tmp_path, capsys):
     (tmp_path / "bits.json").write_text(json.dumps(dict(record, modules={m: {"bits": 6} for m in bits})))
     assert main(["ptq", str(nano_run), "--plan", str(tmp_path / "bits.json"), "--mc-items", "0"]) == 2
     one_line_error(capsys, "bits 6", "choices")
+
+
+def test_the_report_shows_the_plans_bits_wrote_into_the_study(nano_run, tmp_path):
+    """A plan written by `optquant bits` into STUDY/bits/ becomes the report's Bit plans section: a row per module
+    with the plan's bits, shares that sum to 1 and follow the gains, and a figure; no plans, no section."""
+    from optquant.report.bit_plans import bits_section
+    from optquant.report.figures import Plot
+    from optquant.report.tables import Table
+
+    assert bits_section(tmp_path, tmp_path / "figures") is None
+    (tmp_path / "bits").mkdir()
+    plan = tmp_path / "bits" / "nano.json"
+    assert main(["bits", str(nano_run), "--avg-bits", "4.5", "--plan-out", str(plan)]) == 0
+    record = json.loads(plan.read_text())
+    section = bits_section(tmp_path, tmp_path / "figures")
+    table, fig = section.blocks
+    assert isinstance(table, Table) and isinstance(fig, Plot) and (tmp_path / fig.src).is_file()
+    got = {r[0]: (int(r[1]), float(r[2])) for r in table.rows}
+    want = {f"{m.split('.')[-1]} {m.split('.')[1]}": v["bits"] for m, v in record["modules"].items()}
+    assert {k: b for k, (b, _) in got.items()} == want and sum(s for _, s in got.values()) == pytest.approx(1, abs=5e-3)
+    top = max(record["modules"], key=lambda m: record["modules"][m]["gains"]["8"])
+    assert max(got, key=lambda k: got[k][1]) == f"{top.split('.')[-1]} {top.split('.')[1]}"
 
 
 def test_the_exports_name_the_hf_modules():

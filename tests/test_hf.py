@@ -113,6 +113,32 @@ def test_ptq_and_analyze_cli_on_an_hf_folder(tmp_path, corpus, capsys):
     assert "not a Hugging Face model folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("score", ["abc", "fisher"])
+def test_bits_and_ptq_plan_on_an_hf_folder(tmp_path, corpus, capsys, score):
+    """`bits --hf`: a plan over the folder's own linears (the chain's names) within the budget, exported under HF
+    names that are the model's modules; `ptq --hf --plan` applies it (its scheme directory is the plan's)."""
+    from optquant.quant.bit_plan import average_bits, hf_names
+
+    path = _with_tokenizer(save_tiny("llama", tmp_path / "llama", vocab_size=320), corpus)
+    plan, recipe, out = tmp_path / "plan.json", tmp_path / "recipe.yaml", tmp_path / "out"
+    common = ["--hf", str(path), "--data", str(corpus), "--seq-len", "32"]
+    assert main(["bits", *common, "--avg-bits", "5", "--a-bits", "16", "--score", score, "--plan-out", str(plan),
+                 "--recipe", str(recipe)]) == 0
+    record = json.loads(plan.read_text())
+    bits = {m: v["bits"] for m, v in record["modules"].items()}
+    params = {m: v["params"] for m, v in record["modules"].items()}
+    hf = load_hf_model(path)
+    linears = {n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    assert set(hf_names(bits).values()) == linears and len(bits) == 14
+    assert average_bits(bits, params) <= 5 and set(bits.values()) == {4, 8} and record["score"] == score
+    groups = json.loads(recipe.read_text())["quant_stage"]["quant_modifiers"]["QuantizationModifier"]["config_groups"]
+    assert {t for g in groups.values() for t in g["targets"]} == {f"re:^{n.replace('.', '[.]')}$" for n in linears}
+    assert main(["ptq", *common, "--plan", str(plan), "--mc-items", "0", "--out", str(out)]) == 0
+    scheme = PTQConfig(a_bits=16, plan=tuple(bits.items())).name
+    summary = json.loads((out / scheme / "summary.json").read_text())
+    assert summary["ptq"]["plan"] and summary["val_loss_q"] != summary["val_loss_fp"]
+
+
 def test_an_hf_model_is_scored_on_a_prepared_directory_prepared_with_its_tokenizer(tmp_path, corpus, capsys):
     """`--data DIR` from `optquant data prepare --tokenizer <the model folder>`: its val shards are the very tokens
     the raw files give with the model's tokenizer (the same split by document, EOS after each), so RTN's damage is

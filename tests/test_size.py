@@ -39,9 +39,13 @@ from pathlib import Path
 # study's done runs), and `--hf --data DIR` reads a prepared directory as it is.
 # Issue 31's bit plan added ~345: quant/bit_plan.py (204: the exact knapsack, the ABC and oracle scores,
 # the llm-compressor/torchao exports), per-module bits in PTQConfig/quantize_ (+60), `optquant bits` and
-# `ptq --plan` (+75). With issue 30's small items (+5), all merged: budget 16,190.
-# Issue 30's plugin item (+18): state "unknown" in the dry run/ETA, a structured best.json, a plugin's label.
-BUDGET = 16_210
+# `ptq --plan` (+75). With issue 30's small items (+5), all merged: budget 16,190. Its baselines added ~95
+# (16,270): HAWQ-v2's Hutchinson trace and the empirical Fisher times ‖Q(W) − W‖² (bit_plan.py, `bits --score
+# hawq|fisher` in ptq_stage.score_gains) and group sizes checked at each module's planned bits; the report's Bit
+# plans section (report/bit_plans.py, 80: the plans optquant bits wrote into STUDY/bits/, a table and a modules ×
+# layers figure): 16,350. Issue 30's plugin item (+18): state "unknown" in the dry run/ETA, a structured
+# best.json, a plugin's label: budget 16,380.
+BUDGET = 16_380
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

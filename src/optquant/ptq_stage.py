@@ -36,6 +36,7 @@ from optquant.harness import HarnessConfig
 from optquant.metrics.chain import shared_copy
 from optquant.metrics.outliers import aggregate, outlier_metrics
 from optquant.metrics.propagation import PropagationConfig, propagation, propagation_of
+from optquant.model import lm_loss
 from optquant.quant.ptq import SCHEMES, PTQConfig, quantize_
 from optquant.quant.rotate import rotate_model_
 from optquant.runs import PTQ_FILES, RunDir, Weights, check_corpus, read_config
@@ -268,21 +269,36 @@ def read_result(run_dir: Path, acfg: AnalysisConfig, scheme: str, what: Literal[
 
 
 def model_bits(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, avg_bits: float, choices: tuple[int, ...],
-               score: Literal["abc", "oracle"] = "abc") -> dict[str, Any]:
-    """A bit plan of a loaded model (quant/bit_plan.py): `abc`, one ABC walk with every linear at the lowest
-    choice; `oracle`, one validation loss per (module, higher choice) plus one at the lowest."""
-    from optquant.quant.bit_plan import abc_gains, budget_units, check_choices, measured_gains, plan_record, solve
+               score: Literal["abc", "oracle", "hawq", "fisher"] = "abc") -> dict[str, Any]:
+    """A bit plan of a loaded model (quant/bit_plan.py), its gains from `score_gains`."""
+    from optquant.quant.bit_plan import budget_units, check_choices, plan_record, solve
+    from optquant.quant.layers import linear_layers
+
+    choices = check_choices(choices, qcfg.format)
+    params = {n: lin.weight.numel() for n, lin in linear_layers(run.model, skip=() if qcfg.quantize_head else
+                                                                ("lm_head",))}
+    budget_units(params, avg_bits, choices)  # an impossible average fails before any work
+    gains = score_gains(run, qcfg, acfg, params, choices, score)
+    plan = solve(params, gains, avg_bits, choices)
+    return plan_record(plan, params, gains, {k: v for k, v in dataclasses.asdict(qcfg).items() if k != "plan"},
+                       avg_bits, choices, score)
+
+
+def score_gains(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, params: dict[str, int],
+                choices: tuple[int, ...], score: str) -> dict[str, dict[int, float]]:
+    """Each linear's gain per choice: `abc`, one ABC walk with every linear at the lowest choice; `oracle`, one
+    validation loss per (module, higher choice) plus one at the lowest; `hawq`, `fisher`: HAWQ-v2's trace ×
+    ‖Q(W) − W‖² on the calibration batches (Hutchinson, 4 Hessian-vector products per batch; the empirical
+    Fisher, one gradient per sequence)."""
+    from optquant.quant.bit_plan import abc_gains, fisher_traces, hessian_traces, measured_gains, perturbation_gains
     from optquant.quant.layers import linear_layers
 
     cfg, model, data = run.cfg, run.model, run.data
-    choices = check_choices(choices, qcfg.format)
     skip = () if qcfg.quantize_head else ("lm_head",)
-    params = {n: lin.weight.numel() for n, lin in linear_layers(model, skip=skip)}
-    budget_units(params, avg_bits, choices)  # an impossible average fails before any work
     low = dataclasses.replace(qcfg, plan=tuple((n, choices[0]) for n in params))
+    calib = _batches(cfg, data.val, acfg.calib_batches, cfg.seed + 12345)
     if score == "abc":
         pcfg = PropagationConfig(granularity="linear", skip=skip)
-        calib = _batches(cfg, data.val, acfg.calib_batches, cfg.seed + 12345)
         rows, _ = propagation_of(model, low, calib, pcfg, run.calib(low, acfg))
         gains = abc_gains(rows, params, choices)
     elif score == "oracle":
@@ -291,8 +307,24 @@ def model_bits(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, avg_bits: 
         walk = dataclasses.replace(qcfg, rotation="none")
         gains = measured_gains(params, choices, lambda bits: val_loss(quantize_(
             shared_copy(fp), dataclasses.replace(walk, plan=tuple(bits.items())), run.calib(walk, acfg)), val).loss)
+    elif score in ("hawq", "fisher"):
+        fp = model if qcfg.rotation == "none" else rotate_model_(copy.deepcopy(model))
+        lins = dict(linear_layers(fp, skip=skip))
+        weights = {n: lins[n].weight for n in params}
+        was = {n: w.requires_grad for n, w in weights.items()}
+        for w in weights.values():
+            w.requires_grad_(True)
+        try:
+            if score == "hawq":
+                traces = hessian_traces(lambda b: lm_loss(fp, *b), calib, weights, seed=cfg.seed)
+            else:  # one sample = one sequence
+                traces = fisher_traces(lambda b: lm_loss(fp, *b), [(x[i : i + 1], y[i : i + 1]) for x, y in calib
+                                                                   for i in range(len(x))], weights)
+        finally:
+            for n, w in weights.items():
+                w.requires_grad_(was[n])
+        gains = perturbation_gains(traces, weights, lambda b: dataclasses.replace(qcfg, w_bits=b, plan=()).weight_spec,
+                                   choices)
     else:
-        raise OptquantError(f"bits: --score must be abc or oracle, got {score!r}")
-    plan = solve(params, gains, avg_bits, choices)
-    return plan_record(plan, params, gains, {k: v for k, v in dataclasses.asdict(qcfg).items() if k != "plan"},
-                       avg_bits, choices, score)
+        raise OptquantError(f"bits: --score must be abc, oracle, hawq or fisher, got {score!r}")
+    return gains

@@ -29,8 +29,9 @@ def add_parsers(sub) -> None:
     _add_flags(p)
     p.add_argument("--avg-bits", type=float, required=True, help="the average weight bits, e.g. 4.5")
     p.add_argument("--choices", default="4,8", help="comma-separated bit widths a module may get (default 4,8)")
-    p.add_argument("--score", choices=["abc", "oracle"], default="abc",
-                   help="abc: the decomposition (one walk); oracle: each module's measured damage (many passes)")
+    p.add_argument("--score", choices=["abc", "oracle", "hawq", "fisher"], default="abc",
+                   help="abc: the decomposition (one walk); oracle: each module's measured damage (many passes); "
+                   "hawq: Hessian trace (Hutchinson) x ||Q(W)-W||^2; fisher: empirical Fisher trace x ||Q(W)-W||^2")
     p.add_argument("--plan-out", "--plan", dest="plan_out", type=Path, default=Path("plan.json"),
                    help="the plan file to write (default plan.json)")
     p.add_argument("--recipe", type=Path, help="also write the plan as an llm-compressor recipe (YAML)")

@@ -19,6 +19,12 @@ That is an estimate from the one walk at b₀, not a re-measurement at b.
 
 The measured oracle (`measured_gains`): g_m(b) = damage(all at b₀) − damage(all at b₀ but m at b), one
 damage evaluation per (module, higher choice), then the same knapsack. Exact when the damages add up.
+
+The standard alternatives, for comparison (`perturbation_gains`): HAWQ-v2's (arXiv 1911.03852) Ω_m = tr(H_m)/n_m ·
+‖Q(W_m) − W_m‖², H_m the loss Hessian's diagonal block of W_m, its trace by Hutchinson's estimator E[vᵀHv] over
+Rademacher v (`hessian_traces`); and the empirical Fisher's, tr(F_m) = the mean over samples of ‖∇_m ℓ‖² in place
+of tr(H_m) (`fisher_traces`). The gain of b is Ω_m(b₀) − Ω_m(b); Q is the weights' RTN at each bit width (the
+activations, and GPTQ's updates, are not in these scores, as in HAWQ).
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ from fractions import Fraction
 from functools import reduce
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from optquant.errors import OptquantError
-from optquant.quant.primitives import OFF
+from optquant.quant.primitives import OFF, QuantSpec, fake_quant
 
 MAX_CELLS = 20_000_000  # knapsack table cells (modules × budget units) before the unit is coarsened
 
@@ -122,6 +130,60 @@ def measured_gains(linears: Iterable[str], choices: Iterable[int],
     return {n: {choices[0]: 0.0, **{b: base - damage(low | {n: b}) for b in choices[1:]}} for n in linears}
 
 
+def hessian_traces(loss_of: Callable[[object], Tensor], batches: Iterable, weights: dict[str, Tensor],
+                   samples: int = 4, seed: int = 0) -> dict[str, float]:
+    """tr(H_m) of each weight's block of the Hessian of the mean loss over `batches`, by Hutchinson's estimator:
+    one Rademacher v over all weights per sample (the cross-block terms of vᵀHv have mean 0), `samples` per batch.
+    `loss_of` runs in math attention (the fused CPU kernel has no double backward)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen, names, acc, n = torch.Generator().manual_seed(seed), list(weights), dict.fromkeys(weights, 0.0), 0
+    with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+        for batch in batches:
+            grads = torch.autograd.grad(loss_of(batch), [weights[m] for m in names], create_graph=True)
+            for _ in range(samples):
+                vs = [torch.randint(0, 2, w.shape, generator=gen).to(w) * 2 - 1 for w in grads]
+                hvs = torch.autograd.grad(grads, [weights[m] for m in names], grad_outputs=vs, retain_graph=True)
+                for m, v, hv in zip(names, vs, hvs, strict=True):
+                    acc[m] += (v * hv).sum().item()
+            n += samples
+    if not n:
+        raise OptquantError("bits: no batches for the Hessian trace")
+    return {m: a / n for m, a in acc.items()}
+
+
+def fisher_traces(loss_of: Callable[[object], Tensor], samples: Iterable,
+                  weights: dict[str, Tensor]) -> dict[str, float]:
+    """tr(F_m) of the empirical Fisher: the mean over `samples` of ‖∇_{W_m} loss_of(sample)‖²."""
+    acc, n = dict.fromkeys(weights, 0.0), 0
+    with torch.enable_grad():
+        for sample in samples:
+            grads = torch.autograd.grad(loss_of(sample), list(weights.values()))
+            for m, g in zip(weights, grads, strict=True):
+                acc[m] += g.double().square().sum().item()
+            n += 1
+    if not n:
+        raise OptquantError("bits: no samples for the Fisher trace")
+    return {m: a / n for m, a in acc.items()}
+
+
+def perturbation_gains(traces: dict[str, float], weights: dict[str, Tensor], spec_of: Callable[[int], QuantSpec | None],
+                       choices: Iterable[int]) -> dict[str, dict[int, float]]:
+    """HAWQ-v2's gains: g_m(b) = tr_m/n_m · (‖Q_{b₀}(W) − W‖² − ‖Q_b(W) − W‖²), Q_b the RTN of `spec_of(b)`
+    (None: FP, no error)."""
+    choices = check_choices(choices)
+
+    def err(w: Tensor, b: int) -> float:
+        spec = spec_of(b)
+        return 0.0 if spec is None else (fake_quant(w.detach(), spec) - w.detach()).double().square().sum().item()
+
+    out = {}
+    for m, w in weights.items():
+        errs = {b: err(w, b) for b in choices}
+        out[m] = {b: traces[m] / w.numel() * (errs[choices[0]] - errs[b]) for b in choices}
+    return out
+
+
 def average_bits(plan: dict[str, int], params: dict[str, int]) -> Fraction:
     return Fraction(sum(params[m] * b for m, b in plan.items()), sum(params[m] for m in plan))
 
@@ -131,7 +193,9 @@ def plan_record(plan: dict[str, int], params: dict[str, int], gains: dict[str, d
     """The plan as plan.json holds it."""
     return {"ptq": ptq, "choices": list(check_choices(choices)), "avg_bits": avg_bits,
             "plan_avg_bits": float(average_bits(plan, params)), "score": score,
-            "modules": {m: {"bits": b, "params": params[m], "gain": gains[m].get(b, 0.0)} for m, b in plan.items()}}
+            "modules": {m: {"bits": b, "params": params[m], "gain": gains[m].get(b, 0.0),
+                          "gains": {str(c): gains[m].get(c, 0.0) for c in check_choices(choices)}}
+                      for m, b in plan.items()}}
 
 
 def check_record(record, where: str) -> tuple[dict, tuple[int, ...], dict[str, int]]:

@@ -202,12 +202,14 @@ def check_plan(cfg: PTQConfig, names: list[str]) -> None:
 
 def check_group_sizes(layers: list[tuple[str, nn.Linear]], cfg: PTQConfig) -> None:
     """A weight or activation group must tile each layer's input width exactly: no ragged last group.
-    A group at least as wide as a layer is one group per row (the zero padding never changes a scale)."""
-    for what, group, bits in (("w_group_size", cfg.w_group_size, cfg.w_bits), ("a_group_size", cfg.a_group_size,
-                                                                                 cfg.a_bits)):
-        if cfg.format != "int" or not group or bits >= OFF:
+    A group at least as wide as a layer is one group per row (the zero padding never changes a scale). With a
+    plan, each layer at its planned bits: a layer it keeps in FP has no groups, one it quantizes has."""
+    for what, group in (("w_group_size", cfg.w_group_size), ("a_group_size", cfg.a_group_size)):
+        if cfg.format != "int" or not group:
             continue
-        bad = sorted({lin.in_features for _, lin in layers if group < lin.in_features and lin.in_features % group})
+        bits = {n: getattr(cfg.for_module(n), what[0] + "_bits") for n, _ in layers}
+        bad = sorted({lin.in_features for n, lin in layers if bits[n] < OFF and group < lin.in_features
+                      and lin.in_features % group})
         if bad:
             raise OptquantError(f"ptq.{what}={group} does not divide the input width(s) {bad} of this model's "
                                 "linear layers; choose a divisor")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from optquant.files import open_nofollow
 from optquant.report import curves, figures, paper
+from optquant.report.bit_plans import bits_section
 from optquant.report.claims import claims_table
 from optquant.report.costs import cost_section
 from optquant.report.html import Section, page
@@ -160,7 +161,7 @@ def render_report(study_dir: str | Path) -> Path:
         stale.unlink()
     title = f"optquant report — {d.spec.get('name') or d.root.name}"
     sections = [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir),
-                robust_section(d.root, fig_dir), cost_section(d.root)]
+                robust_section(d.root, fig_dir), *filter(None, [bits_section(d.root, fig_dir)]), cost_section(d.root)]
     text = page(title, _header(d), sections, d.spec)
     path = out / "index.html"
     tmp = path.with_suffix(".html.tmp")
