@@ -8,6 +8,7 @@ explicit SUBS table; what cannot run here is in SKIP with its reason. A block co
 from __future__ import annotations
 
 import os
+import random
 import re
 import shlex
 import shutil
@@ -142,7 +143,7 @@ def workdir(tmp_path_factory, corpus):
     home = d / "home"
     (home / "ClimbMix10m").mkdir(parents=True)
     # enough distinct words for the command's default 32,000-token BPE (the test corpus supports ~360)
-    rng = __import__("random").Random(0)
+    rng = random.Random(0)
     words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 9))) for _ in range(60_000)]
     docs = [" ".join(words[i:i + 500]) for i in range(0, len(words), 500)] * 2
     for k in range(2):
