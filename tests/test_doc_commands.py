@@ -1,0 +1,185 @@
+"""Every command in a fenced shell block of README.md, docs/scale-out.md and docs/your-own.md runs as written
+(issue 30), in a temp directory with HOME pointing into it, so `~/ClimbMix10m/` or `~/models/...` are tiny
+fixtures built from what the code really writes. Placeholders (`runs/<run>`, `[--markdown]`) go through the
+explicit SUBS table; what cannot run here is in SKIP with its reason. A block command in neither table fails
+`test_every_documented_command_is_run_or_skipped`, so the docs cannot drift from the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ("README.md", "docs/scale-out.md", "docs/your-own.md")
+SHELLS = {"bash", "sh", "console", "shell"}
+
+
+@dataclass(frozen=True)
+class DocCommand:
+    file: str
+    line: int
+    text: str  # one command, its trailing comment removed; `a && b` is two commands
+
+
+def extract(path: Path, name: str | None = None) -> list[DocCommand]:
+    """The commands of every fenced bash/sh/console block of a markdown file, with their line numbers."""
+    name = name or str(path.relative_to(ROOT))
+    out, lang = [], None
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            lang = line[3:].strip() if lang is None else None
+            continue
+        if lang in SHELLS and line.strip():
+            text = line.strip().removeprefix("$ ")
+            code = " ".join(shlex.split(text, comments=True, posix=False))  # drops a trailing `# comment`
+            out += [DocCommand(name, i, part.strip()) for part in code.split(" && ")]
+    return out
+
+
+# The commands that cannot run here, each with why. Exact text, as extract() gives it.
+SKIP = {
+    'pip install -e ".[dev]"': "installs from the package index: no network here, and the venv is shared",
+    "optquant study": "the whole default study, 17-32 min on an idle 2-core machine; docs/results/ is its "
+                      "output, checked by test_docs.py and test_readme.py",
+    "python -m pytest -q": "the test suite itself",
+    "optquant eval runs/tiny-adamw-<hash> --tasks piqa,hellaswag,arc_easy":
+        "needs the piqa/hellaswag/arc_easy datasets in the Hugging Face cache: a download",
+    "tensorboard --logdir runs": "a server that runs until killed",
+}
+# Placeholders → what the test builds. `runs/<run>` is a tiny llama run trained by the fixture (llama: export
+# refuses the OLMo2 variant); `[--markdown]` is optional syntax, the test runs the flag.
+SUBS = {
+    "runs/<run>": "runs/{run}",
+    "runs/tiny-adamw-<hash>": "runs/{tiny_run}",
+    "[--markdown]": "--markdown",
+}
+# Commands that train a real preset (a study at smoke scale, a default `train`): slow-marked.
+SLOW = {
+    "optquant train --preset nano --set optim.name=muon --set optim.lr=0.02",
+    "optquant study --preset smoke --set optimizers=adamw,examples/lion.py:make_optimizer",
+    "optquant train --set model.arch=llama --out runs",
+    "optquant export runs/tiny-adamw-<hash> --hf exported/tiny",
+    "optquant study --preset smoke --set eval.tasks=my_mc --set eval.include_path=my_tasks/",
+    "optquant train --set log.to=tensorboard",
+}
+
+
+def all_commands() -> list[DocCommand]:
+    return [c for doc in DOCS for c in extract(ROOT / doc)]
+
+
+class DocCommandFailed(AssertionError):
+    pass
+
+
+def run_doc_command(cmd: DocCommand, cwd: Path, values: dict | None = None, timeout: float = 3600) -> str:
+    """Run one documented command through bash in `cwd` (HOME = cwd/home), placeholders replaced; a non-zero
+    exit raises naming the file and line of the doc."""
+    text = cmd.text
+    for placeholder, sub in SUBS.items():
+        if placeholder in text:
+            text = text.replace(placeholder, sub.format(**(values or {})))
+    env = {**os.environ, "HOME": str(cwd / "home")}
+    r = subprocess.run(["bash", "-c", text], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        last = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or [""]
+        raise DocCommandFailed(f"{cmd.file}:{cmd.line}: `{cmd.text}` exited {r.returncode}: {last[0]}")
+    return r.stdout
+
+
+def test_every_documented_command_is_run_or_skipped():
+    cmds = all_commands()
+    assert len(cmds) >= 15, cmds
+    texts = {c.text for c in cmds}
+    stale = (set(SKIP) | SLOW) - texts
+    assert not stale, f"listed but no longer in the docs: {stale}"
+    placeholders = [c for c in cmds if re.search(r"<[^>]+>|\[--", c.text) and c.text not in SKIP
+                    and not any(p in c.text for p in SUBS)]
+    assert not placeholders, f"a placeholder without a substitution in SUBS: {placeholders}"
+
+
+def test_a_broken_doc_command_fails_naming_file_and_line(tmp_path):
+    doc = tmp_path / "broken.md"
+    doc.write_text("# A doc\n\ntext\n\n```bash\noptquant train --no-such-flag   # a typo\n```\n")
+    (cmd,) = extract(doc, "docs/broken.md")
+    assert cmd == DocCommand("docs/broken.md", 6, "optquant train --no-such-flag")
+    with pytest.raises(DocCommandFailed, match=r"^docs/broken\.md:6: `optquant train --no-such-flag` exited 2"):
+        run_doc_command(cmd, tmp_path)
+
+
+# --- the fixtures the commands run on ------------------------------------------------------------------------
+
+
+def _mc_task(home: Path, corpus: Path, folder: Path, task: str):
+    """docs/your-own.md's own task YAML (its yaml block), over items written as tests/test_harness.py does."""
+    from test_harness import write_items
+
+    text = (ROOT / "docs" / "your-own.md").read_text()
+    yaml = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    write_items(corpus, home / "my_mc.jsonl")
+    folder.mkdir(parents=True, exist_ok=True)
+    yaml = yaml.replace("/data/my_mc.jsonl", str(home / "my_mc.jsonl")).replace("task: my_mc", f"task: {task}")
+    (folder / f"{task}.yaml").write_text(yaml)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, corpus):
+    """A directory holding what the fast commands name: a tiny llama run under runs/, studies/cpu (a copy of
+    docs/results, the default study's output), ~/ClimbMix10m/ (parquet files with a `text` column),
+    ~/models/Qwen2.5-0.5B (a tiny random Qwen2 with a tokenizer) and my_tasks/mytask.yaml."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = tmp_path_factory.mktemp("doc-commands")
+    home = d / "home"
+    (home / "ClimbMix10m").mkdir(parents=True)
+    # enough distinct words for the command's default 32,000-token BPE (the test corpus supports ~360)
+    rng = random.Random(0)
+    words = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 9))) for _ in range(60_000)]
+    docs = [" ".join(words[i:i + 500]) for i in range(0, len(words), 500)] * 2
+    for k in range(2):
+        pq.write_table(pa.table({"text": docs[k::2]}), home / "ClimbMix10m" / f"part{k}.parquet")
+    shutil.copytree(ROOT / "docs" / "results", d / "studies" / "cpu")
+    train = ["optquant", "train", "--preset", "nano", "--out", str(d / "runs")] + [
+        a for s in (f"data.source={corpus}", "model.vocab_size=320", "model.seq_len=32", "train.batch_size=8",
+                    "train.steps=20", "train.eval_every=10", "train.eval_batches=2", "train.precision=fp32",
+                    "model.arch=llama") for a in ("--set", s)]
+    subprocess.run(train, check=True, capture_output=True, cwd=d)
+    (run,) = [p.name for p in (d / "runs").iterdir()]
+    _mc_task(home, corpus, d / "my_tasks", "mytask")
+    from test_hf import _with_tokenizer, save_tiny
+
+    _with_tokenizer(save_tiny("qwen2", home / "models" / "Qwen2.5-0.5B", vocab_size=320), corpus)
+    return d, run
+
+
+FAST = [c for c in all_commands() if c.text not in SKIP and c.text not in SLOW]
+
+
+@pytest.mark.parametrize("cmd", FAST, ids=lambda c: f"{c.file}:{c.line}:{c.text.split()[1]}")
+def test_documented_command_runs(cmd, workdir):
+    d, run = workdir
+    run_doc_command(cmd, d, {"run": run})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cmd", [c for c in all_commands() if c.text in SLOW],
+                         ids=lambda c: f"{c.file}:{c.line}:{c.text.split()[1]}")
+def test_documented_slow_command_runs(cmd, tmp_path, corpus):
+    """Each in a fresh directory with examples/ beside it; `a && b` runs its commands in order there."""
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    (tmp_path / "home").mkdir()
+    _mc_task(tmp_path / "home", corpus, tmp_path / "my_tasks", "my_mc")
+    siblings = [c for c in all_commands() if c.file == cmd.file and c.line == cmd.line]
+    for c in siblings[: siblings.index(cmd) + 1]:
+        runs = list((tmp_path / "runs").glob("tiny-adamw-*")) if (tmp_path / "runs").is_dir() else []
+        run_doc_command(c, tmp_path, {"run": "", "tiny_run": runs[0].name if runs else "<none>"})
