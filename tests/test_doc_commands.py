@@ -165,6 +165,10 @@ def workdir(tmp_path_factory, corpus):
 FAST = [c for c in all_commands() if c.text not in SKIP and c.text not in SLOW]
 
 
+# Slow-marked too: the 13 commands and their fixtures (a trained run, a prepared corpus, a tiny HF model) took
+# 7.5 min on the loaded 2-core machine, more than CI's fast set can carry; the drift guard and the broken-doc
+# test above stay fast, so a new or changed command still fails the default run until it is listed.
+@pytest.mark.slow
 @pytest.mark.parametrize("cmd", FAST, ids=lambda c: f"{c.file}:{c.line}:{c.text.split()[1]}")
 def test_documented_command_runs(cmd, workdir):
     d, run = workdir
