@@ -4,8 +4,8 @@ Each side runs in its own process (`--side ours` in optquant's venv, `--side llm
 installed: this file imports neither package at the top) and prints one JSON line:
 - `gptq_s` / `gptq_cpu_s`: wall and CPU (user + system, all threads) seconds of the quantization call alone
   (optquant's `quantize_`, llm-compressor's `oneshot` with `GPTQModifier(scheme="W4A16", targets="Linear",
-  ignore=["lm_head"])`), W4 g128 symmetric weights, damp 0.01, act-order with static groups (llm-compressor's default actorder="static"); the same int grid
-  (`full`: [-8, 7], scale absmax/7.5);
+  ignore=["lm_head"])`), W4 g128 symmetric weights, damp 0.01, act-order with static groups (llm-compressor's
+  default actorder="static"); the same int grid (`full`: [-8, 7], scale absmax/7.5);
 - `peak_gb`: the process's peak RSS once quantized (before the damage is measured, which adds logits);
 - the damage on `--eval` windows: relative error of the logits ‖z_q − z‖/‖z‖ and Δ cross-entropy.
 Calibration: the first N×T ids of `--tokens` as N windows of T (`--windows 64x128` or the issue's `16x512`).
