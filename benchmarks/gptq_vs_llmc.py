@@ -2,10 +2,10 @@
 
 Each side runs in its own process (`--side ours` in optquant's venv, `--side llmc` in one with llmcompressor
 installed: this file imports neither package at the top) and prints one JSON line:
-- `gptq_s`: wall seconds of the quantization call alone (optquant's `quantize_`, llm-compressor's `oneshot`
-  with `GPTQModifier(scheme="W4A16", targets="Linear", ignore=["lm_head"])`), W4 g128 symmetric weights,
-  damp 0.01, act-order with static groups (llm-compressor's default actorder="static"); the same int grid
-  (`full`: [-8, 7], scale absmax/7.5);
+- `gptq_s` / `gptq_cpu_s`: wall and CPU (user + system, all threads) seconds of the quantization call alone
+  (optquant's `quantize_`, llm-compressor's `oneshot` with `GPTQModifier(scheme="W4A16", targets="Linear",
+  ignore=["lm_head"])`), W4 g128 symmetric weights, damp 0.01, act-order with static groups (llm-compressor's
+  default actorder="static"); the same int grid (`full`: [-8, 7], scale absmax/7.5);
 - `peak_gb`: the process's peak RSS once quantized (before the damage is measured, which adds logits);
 - the damage on `--eval` windows: relative error of the logits ‖z_q − z‖/‖z‖ and Δ cross-entropy.
 Calibration: the first N×T ids of `--tokens` as N windows of T (`--windows 64x128` or the issue's `16x512`).
@@ -65,9 +65,9 @@ def ours(args, calib: torch.Tensor, ev: torch.Tensor) -> dict:
     model = load_hf(args.model, seq_len=calib.shape[1])
     fp_logits(model, ev, args.tmp)
     cfg = PTQConfig(method="gptq", a_bits=16, w_group_size=128, grid="full", act_order=True, n_calib=len(calib))
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     quantize_(model, cfg, calib)
-    out = {"gptq_s": time.perf_counter() - t, "peak_gb": peak_gb()}
+    out = {"gptq_s": time.perf_counter() - t, "gptq_cpu_s": time.process_time() - c, "peak_gb": peak_gb()}
     return out | damage(model, ev, args.tmp)
 
 
@@ -82,10 +82,10 @@ def llmc(args, calib: torch.Tensor, ev: torch.Tensor) -> dict:
     fp_logits(lambda x: model(x).logits, ev, args.tmp)
     data = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": torch.ones_like(calib).tolist()})
     recipe = GPTQModifier(scheme="W4A16", targets="Linear", ignore=["lm_head"], dampening_frac=0.01)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     oneshot(model=model, processor=tok, dataset=data, recipe=recipe, max_seq_length=calib.shape[1],
             num_calibration_samples=len(calib), shuffle_calibration_samples=False)
-    out = {"gptq_s": time.perf_counter() - t, "peak_gb": peak_gb()}
+    out = {"gptq_s": time.perf_counter() - t, "gptq_cpu_s": time.process_time() - c, "peak_gb": peak_gb()}
     return out | damage(lambda x: model(x).logits, ev, args.tmp)
 
 
@@ -110,9 +110,10 @@ def main() -> None:
     args.tmp.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     calib, ev = windows(args.tokens, args.windows), windows(args.eval, "8x128")
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     out = (ours if args.side == "ours" else llmc)(args, calib, ev)
-    print(json.dumps({"side": args.side, "windows": args.windows, **out, "total_s": time.perf_counter() - t}))
+    print(json.dumps({"side": args.side, "windows": args.windows, **out, "total_s": time.perf_counter() - t,
+                      "total_cpu_s": time.process_time() - c}))
 
 
 if __name__ == "__main__":

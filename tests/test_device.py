@@ -64,3 +64,16 @@ def test_freed_memory_is_reused_with_the_same_numbers():
     assert default["faults"] > 500, default
     assert kept["faults"] < default["faults"] / 5, (kept, default)
     assert kept["digest"] == default["digest"]
+
+
+@pytest.mark.parametrize(("argv", "kept"), [(["analyze", "--hf", "/nonexistent"], False),
+                                            (["analyze", "/nonexistent"], True)])
+def test_hf_runs_give_freed_memory_back(monkeypatch, argv, kept):
+    """`--hf` runs are bounded by memory: they leave malloc's defaults (freed blocks go back), others keep them."""
+    import optquant.device
+    from optquant.cli import main
+
+    calls = []
+    monkeypatch.setattr(optquant.device, "keep_freed_memory", lambda: calls.append(1))
+    assert main(argv) != 0
+    assert bool(calls) is kept
