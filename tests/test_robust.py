@@ -239,16 +239,19 @@ def test_late_qat_is_a_plain_run_resumed_with_quest_on_at_the_switch(nano_cfg, t
     assert whole["final_val_loss"] == qat["final_val_loss"]
 
 
-@pytest.mark.parametrize("method", ["penalty:0.5", "gain:2", "late-qat:0.3"])
+@pytest.mark.parametrize("method", ["penalty:0.5", "gain:2", "late-qat:0.3", "ema:0.9", "lawa:2"])
 def test_robust_runs_resume_bitwise(nano_cfg, tmp_path, method):
     name, strength = method.split(":")
-    cfg = apply_overrides(nano_cfg, [f"robust.method={name}", f"robust.strength={strength}", "robust.every=3"])
+    every = "1" if name == "lawa" else "3"
+    cfg = apply_overrides(nano_cfg, [f"robust.method={name}", f"robust.strength={strength}", f"robust.every={every}"])
     straight = train(cfg, tmp_path / "straight")
     with pytest.raises(Interrupt):
         train(cfg, tmp_path / "killed", on_step=_kill_at(35))  # late-qat: switched at 28, checkpoint at 30
     resumed = train(cfg, tmp_path / "killed")
     assert resumed["final_val_loss"] == straight["final_val_loss"] and resumed["robust"] == method
     assert read_metrics(tmp_path / "killed") == read_metrics(tmp_path / "straight")
+    a, b = _weights(tmp_path / "killed"), _weights(tmp_path / "straight")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _robust_frame(cut: float, fp_cost: float, seeds=range(5)) -> pd.DataFrame:
@@ -283,3 +286,79 @@ def test_robustness_table_pairs_units_and_states_the_verdict(tmp_path):
     _, cells = robustness_table(_robust_frame(cut=1.0, fp_cost=0.0), "w4a4-rtn")  # no effect at all
     assert cells[0]["test"].p == 1.0 and "no optimizer" in verdict(cells)
     assert fig_pareto(_robust_frame(0.6, 0.0), "w4a4-rtn", tmp_path).src == "figures/robust_pareto.png"
+
+
+def test_method_none_keeps_mains_run_ids():
+    """Run ids computed with main's code before ema/lawa and the model's norm/embed_proj options existed."""
+    from optquant.config import run_id, run_preset
+
+    pico = apply_overrides(run_preset("pico"), ["optim.name=muon", "model.arch=llama", "robust.method=none"])
+    assert [run_id(run_preset("nano")), run_id(run_preset("pico")), run_id(pico)] == [
+        "nano-adamw-2389642725", "pico-adamw-49fa10e698", "pico-muon-3c906fcf6e"]
+
+
+def _average(method: str, value: float, every: int = 1, eval_every: int = 1, steps: int = 100):
+    from optquant.quant.averaging import WeightAverage
+
+    lin = torch.nn.Linear(3, 2).double()
+    return lin, WeightAverage(lin, method, value, every, eval_every, steps)
+
+
+def test_ema_is_the_closed_form_recursion():
+    lin, avg = _average("ema", 0.7, every=2)
+    gen, beta, e = torch.Generator().manual_seed(0), 0.7, None
+    assert avg.averaged() is None  # before the first update: nothing to average
+    for step in range(9):
+        w = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+        lin.weight.data.copy_(w)
+        if avg.due(step):  # after steps 2, 4, 6, 8 (done counts)
+            avg.update()
+            e = w.clone() if e is None else beta * e + (1 - beta) * w
+    assert [avg.due(s) for s in range(4)] == [False, True, False, True]
+    torch.testing.assert_close(avg.averaged()[0], e, rtol=1e-12, atol=1e-12)
+    with avg.swapped():
+        torch.testing.assert_close(lin.weight.data, e, rtol=1e-12, atol=1e-12)
+    assert torch.equal(lin.weight.data, w)  # the raw weights are back, bitwise
+
+
+def test_lawa_is_the_equal_average_of_the_last_k_kept_checkpoints():
+    lin, avg = _average("lawa", 3, eval_every=5, steps=23)
+    gen, kept = torch.Generator().manual_seed(0), []
+    for step in range(23):
+        w = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+        lin.weight.data.copy_(w)
+        if avg.due(step):
+            avg.update()
+            kept.append((step + 1, w.clone()))
+    assert [s for s, _ in kept] == [5, 10, 15, 20, 23]  # every eval_every steps and the last one
+    torch.testing.assert_close(avg.averaged()[0], torch.stack([w for _, w in kept[-3:]]).mean(0))
+    state = avg.state()
+    _, again = _average("lawa", 3, eval_every=5, steps=23)
+    again.load(state)
+    assert all(torch.equal(a, b) for a, b in zip(again.averaged(), avg.averaged(), strict=True))
+
+
+def test_averaged_runs_save_and_evaluate_the_average(nano_cfg, tmp_path):
+    from optquant.checkpoint import load_checkpoint
+    from optquant.runs import RunDir
+
+    cfg = apply_overrides(nano_cfg, ["train.keep_history=true"])
+    plain = train(cfg, tmp_path / "plain")
+    for method in ("ema:0", "lawa:1"):  # β = 0, k = 1: the average is the raw model, bitwise
+        name, value = method.split(":")
+        same = train(apply_overrides(cfg, [f"robust.method={name}", f"robust.strength={value}"]), tmp_path / name)
+        assert same["final_val_loss"] == plain["final_val_loss"] and same["robust"] == method
+        a, b = _weights(tmp_path / "plain"), _weights(tmp_path / name)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    lawa = train(apply_overrides(cfg, ["robust.method=lawa", "robust.strength=2"]), tmp_path / "lawa2")
+    raw = []
+    for step in (30, 40):  # the kept checkpoints hold the raw weights
+        model = LM(cfg.model)
+        load_checkpoint(RunDir(tmp_path / "lawa2").history_checkpoint(step), model)
+        raw.append(dict(model.named_parameters()))
+    final = _weights(tmp_path / "lawa2")
+    for k, v in final.items():
+        torch.testing.assert_close(v, (raw[0][k] + raw[1][k]) / 2, rtol=0, atol=0)
+    assert lawa["final_val_loss"] != plain["final_val_loss"]
+    first = read_metrics(tmp_path / "lawa2")[0]["val_loss"]  # one checkpoint kept at step 10: the raw model
+    assert first == read_metrics(tmp_path / "plain")[0]["val_loss"]
