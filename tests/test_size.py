@@ -36,8 +36,9 @@ from pathlib import Path
 # the chunked loss (+40).
 # Both merged: 15,755, budget 15,780.
 # Issue 32's weight averaging added ~145 (15,899): quant/averaging.py (EMA on torch's AveragedModel, LAWA's
-# last-k checkpoints, the swap and the checkpointed state) and its wiring into the loop: budget 15,905.
-BUDGET = 15_905
+# last-k checkpoints, the swap and the checkpointed state) and its wiring into the loop; OSP's single-scale
+# RMSNorm and embedding projections as model options (+67, model.py, the hash and groups): budget 15,970.
+BUDGET = 15_970
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 
