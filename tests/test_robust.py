@@ -362,3 +362,39 @@ def test_averaged_runs_save_and_evaluate_the_average(nano_cfg, tmp_path):
     assert lawa["final_val_loss"] != plain["final_val_loss"]
     first = read_metrics(tmp_path / "lawa2")[0]["val_loss"]  # one checkpoint kept at step 10: the raw model
     assert first == read_metrics(tmp_path / "plain")[0]["val_loss"]
+
+
+def test_damage_at_the_end_of_the_stable_phase_is_a_run_stopped_there(nano_cfg, tmp_path):
+    """A WSD run's kept checkpoint at steps − decay (40 − 10) is bitwise a no-decay run stopped at that step
+    (the schedule up to the decay does not depend on its length), so is its W4A4 RTN damage; `decay:0` in
+    the robust arm is that no-decay run for the whole budget."""
+    from optquant.checkpoint import load_checkpoint
+    from optquant.config import validate
+    from optquant.model import lm_loss
+    from optquant.quant.ptq import quantized_copy
+    from optquant.quant.robust_config import entry_overrides
+    from optquant.runs import RunDir
+    from optquant.train import lr_multiplier
+
+    wsd = apply_overrides(nano_cfg, ["train.decay_frac=0.25", "train.keep_history=true"])
+    flat = apply_overrides(nano_cfg, list(entry_overrides("decay:0")))
+    assert flat.train.decay_frac == 0 and validate(flat) is flat
+    lrs = [[lr_multiplier(s, 40, c.train) for s in range(40)] for c in (wsd, flat)]
+    assert lrs[0][:31] == lrs[1][:31] and lrs[0][31] < 1 == lrs[1][39]  # the decay's first step below 1: 31
+    train(wsd, tmp_path / "wsd")
+    with pytest.raises(Interrupt):
+        train(flat, tmp_path / "stopped", on_step=_kill_at(31))  # its checkpoint: step 30
+    damage = []
+    x = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(3))
+    inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    for path in (RunDir(tmp_path / "wsd").history_checkpoint(30), RunDir(tmp_path / "stopped").checkpoint):
+        model = LM(nano_cfg.model)
+        assert load_checkpoint(path, model)["loop"]["step"] == 30
+        with torch.no_grad():
+            damage.append(float(lm_loss(quantized_copy(model, PTQConfig()), inp, tgt) - lm_loss(model, inp, tgt)))
+        if len(damage) == 1:
+            stable = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(torch.equal(stable[k], v) for k, v in model.state_dict().items())
+    assert damage[0] == damage[1] and damage[0] != 0
+    with pytest.raises(OptquantError, match="decay:FRACTION"):
+        entry_overrides("decay")
