@@ -56,3 +56,16 @@ def test_ptq_and_analyze_on_a_trained_run(corpus, tmp_path, capsys):
     assert json.loads((out / "analysis.json").read_text())["R_L"] > 0
     assert main(["ptq", str(run), "--weights", "cl"]) == 2
     assert "Common Loss" in capsys.readouterr().err
+
+
+def test_every_study_preset_is_a_cli_preset(capsys):
+    """`optquant study --preset NAME` takes every preset of study/spec.py (cpu-thorough too, which the CLI
+    once refused as an invalid choice); an unknown one is one line listing them."""
+    from optquant.study.spec import STUDY_PRESETS
+
+    assert "cpu-thorough" in STUDY_PRESETS
+    assert main(["study", "--preset", "cpu-thorough", "--dry-run", "--set", "sizes=zepto"]) == 0
+    assert capsys.readouterr().out.startswith("study cpu-thorough: 1 sizes × 6 optimizers, 5 seed(s)")
+    assert main(["study", "--preset", "huge", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"optquant: error: unknown study preset 'huge'; choose one of {', '.join(STUDY_PRESETS)}"

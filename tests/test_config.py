@@ -142,6 +142,14 @@ def test_a_field_under_both_names_is_an_error():
     ("shampoo", "optim.start_preconditioning_step=-2", "optim.start_preconditioning_step=-2: must be in [-1, inf)"),
     ("soap", "optim.max_precondition_dim=0", "optim.max_precondition_dim=0: must be in [1, inf)"),
     ("adamw", "optim.lr=0", "optim.lr=0.0: must be in (0, inf)"),
+    # betas: torch's AdamW/SOAP take any float and fail (or diverge) at the first step; here, at config time
+    ("adamw", "optim.beta1=1", "optim.beta1=1.0: must be in [0, 1)"),
+    ("adamw", "optim.beta2=-0.1", "optim.beta2=-0.1: must be in [0, 1)"),
+    ("adamw", "optim.beta2=0", None),
+    ("soap", "optim.beta1=1.5", "optim.beta1=1.5: must be in [0, 1)"),
+    ("soap", "optim.beta2=1", "optim.beta2=1.0: must be in [0, 1)"),
+    ("muon", "optim.adam_beta1=-1", "optim.adam_beta1=-1.0: must be in [0, 1)"),
+    ("muon", "optim.adam_beta2=1", "optim.adam_beta2=1.0: must be in [0, 1)"),
 ])
 def test_each_optimizer_checks_its_own_ranges(name, override, message):
     if message is None:

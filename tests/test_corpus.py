@@ -359,3 +359,89 @@ def test_a_split_setting_other_than_the_corpus_was_prepared_with_is_refused(prep
     assert len(load_tokens(DataConfig(source=str(prepared), val_fraction=0.05), V).val) > 0  # its own: fine
     with pytest.raises(OptquantError, match=r"prepared with val_fraction, split_seed, text_field = \(0.05, 0"):
         load_tokens(DataConfig(source=str(prepared), split_seed=3), V)
+
+
+# ------------------------------------------------------------------ a run remembers the corpus it trained on
+
+
+def test_a_run_is_evaluated_on_its_prepared_corpus_and_refused_on_one_prepared_again(raw, prepared, tmp_path, capsys):
+    """Through the CLI: a run on data.source=DIR records DIR's corpus_id; `ptq` of it scores the very validation
+    windows the run did (DIR's val split: the same loss); once another corpus is prepared into DIR, resuming the
+    killed run, continuing a study over the finished one, and ptq/analyze/eval/export of it are one error line
+    each, and nothing in the runs is touched (export reads the same way: ptq_stage.run_tokens)."""
+    import shutil
+
+    from test_reliability import one_line_error
+
+    from optquant.config import from_dict
+    from optquant.study.jobs import TrainJob
+
+    d = _copy(prepared, tmp_path / "tok")
+    args = ["train", "--preset", "nano", "--quiet", "--set", f"data.source={d}", "--set", f"model.vocab_size={V}",
+            "--set", "model.seq_len=32", "--set", "train.batch_size=8", "--set", "train.steps=20", "--set",
+            "train.eval_every=10", "--set", "train.eval_batches=2", "--set", "train.precision=fp32"]
+    assert main([*args, "--out", str(tmp_path / "runs")]) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    record = json.loads((run / "config.json").read_text())
+    assert record["corpus_id"] == read_manifest(d)["corpus_id"]
+    assert main(["ptq", str(run), "--mc-items", "0"]) == 0
+    damage = json.loads((run / "ptq" / "final" / "w4a4-rtn" / "summary.json").read_text())
+    assert damage["val_loss_fp"] == pytest.approx(json.loads((run / "summary.json").read_text())["final_val_loss"],
+                                                  rel=1e-6)
+    cfg = from_dict(record["config"])
+
+    class Interrupt(Exception):
+        pass
+
+    def stop(info):
+        if info["step"] == 15:
+            raise Interrupt
+
+    killed = tmp_path / "killed" / run.name
+    with pytest.raises(Interrupt):
+        train(cfg, killed, on_step=stop)
+    assert TrainJob(cfg, run).done() is not None  # the same corpus: the finished run counts
+    shutil.rmtree(d)
+    prepare([str(raw / "b.jsonl")], d, PrepareConfig(tokenizer=str(prepared / "tokenizer.json")))  # another corpus
+    before = {p: p.read_bytes() for p in sorted((tmp_path / "killed").rglob("*")) + sorted(run.rglob("*"))
+              if p.is_file() and p.name != ".lock"}
+    capsys.readouterr()
+    assert main([*args, "--out", str(tmp_path / "killed")]) == 2
+    one_line_error(capsys, str(killed), "was trained on corpus", "now holds corpus", "another --out")
+    for argv in (["ptq", str(run), "--mc-items", "0", "--method", "gptq"], ["analyze", str(run)],
+                 ["eval", str(run), "--tasks", "piqa"]):
+        assert main(argv) == 2, argv
+        one_line_error(capsys, str(run), "was trained on corpus")
+    with pytest.raises(OptquantError, match="was trained on corpus"):
+        TrainJob(cfg, run).done()
+    after = {p: p.read_bytes() for p in before}
+    assert after == before
+
+
+def test_the_two_documented_commands_take_a_parquet_directory_to_the_gpu_dry_run(tmp_path, capsys):
+    """docs/scale-out.md's two commands, as written (its paths replaced by temporary ones), on a directory of
+    FineWeb-style parquet files (a text column beside others, several row groups): the prepare trains the
+    presets' 32k BPE, and the gpu dry run counts the corpus from the manifest."""
+    import shlex
+
+    doc = (Path(__file__).parents[1] / "docs" / "scale-out.md").read_text()
+    block = doc.split("A web corpus gets in with two commands", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.split(" #")[0].strip() for line in block.strip().splitlines()]
+    assert len(commands) == 2 and all(c.startswith("optquant ") for c in commands)
+    src, out = tmp_path / "ClimbMix10m", tmp_path / "climbmix-tok"
+    src.mkdir()
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9))) for _ in range(30000)]
+    for i in range(3):
+        docs = [" ".join(rng.choice(words) for _ in range(rng.randint(50, 300))) + "." for _ in range(600)]
+        pq.write_table(pa.table({"id": [f"<urn:{i}-{j}>" for j in range(len(docs))], "text": docs,
+                                 "url": [f"https://example.org/{j}" for j in range(len(docs))]}),
+                       src / f"part-{i:05d}.parquet", row_group_size=200)
+    for command in commands:
+        argv = shlex.split(command.replace("~/ClimbMix10m/", f"{src}/").replace("~/climbmix-tok", str(out)))
+        assert main(argv[1:]) == 0, command
+    m = read_manifest(out)
+    assert m["tokenizer"]["vocab_size"] == 32000 and m["totals"]["train"]["documents"] > 1500
+    lines = [x.split() for x in capsys.readouterr().out.splitlines()]
+    sizes = [x for x in lines if x[:1] in (["50m"], ["125m"]) and f"{m['totals']['train']['tokens']:,}" in x]
+    assert len(sizes) == 2

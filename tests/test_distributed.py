@@ -18,6 +18,8 @@ own evaluation, so every layout is scored on the same windows whatever the loop'
    micro-batches give the same bits. This checks the gradient combination itself: loss scaling,
    no_sync, every rank's batch counting.
 3. A 2-rank run resumed from its step-30 checkpoint ends bitwise where the uninterrupted one does.
+4. The same on a corpus prepared by `optquant data prepare` (memory-mapped shards): each rank's first batch is
+   the windows its own generator draws from the prepared stream (so the ranks differ), and a resume is exact.
 
 Both ranks must end with bitwise identical parameters and probe losses (saved by spies beside the run,
 since only rank 0 writes the run), and rank 0 alone must have written the run directory. The three
@@ -95,6 +97,12 @@ def run_job(job: dict) -> int:
         if state["loop"]["step"] == RESUME_STEP:
             shutil.copy(path, spy_dir / "checkpoint.safetensors")
 
+    def recorded_batch(tokens, batch_size, seq_len, generator):
+        x, y = get_batch(tokens, batch_size, seq_len, generator)
+        if not (spy_dir / f"batch{rank}.safetensors").exists():  # this rank's first micro-batch
+            save_file({"x": x}, str(spy_dir / f"batch{rank}.safetensors"))
+        return x, y
+
     def shared_batch(tokens, batch_size, seq_len, generator):
         # call c of rank r is global micro-batch c·world + r: with 1 process and grad_accum = world,
         # step s draws micro-batches s·world … s·world + world − 1, exactly what the ranks draw at step s
@@ -107,8 +115,7 @@ def run_job(job: dict) -> int:
         stack.enter_context(mock.patch.object(loop, "build_model", spy_build))
         stack.enter_context(mock.patch.object(loop, "save_checkpoint", spy_save))
         stack.enter_context(mock.patch.object(loop, "validation_loss", spy_evaluate))
-        if job["same_data"]:
-            stack.enter_context(mock.patch.object(loop, "get_batch", shared_batch))
+        stack.enter_context(mock.patch.object(loop, "get_batch", shared_batch if job["same_data"] else recorded_batch))
         code = main(["train", "--out", job["out"], *job["args"]])
     save_file(model_tensors(models[-1]), str(spy_dir / f"rank{rank}.safetensors"))
     (spy_dir / f"probe{rank}.json").write_text(json.dumps(probe_losses))
@@ -138,8 +145,12 @@ def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory) -> dict[str, dict]:
     """Two 1-process references here, then the three 2-rank jobs in one torchrun launch."""
+    from optquant.corpus.prepare import PrepareConfig, prepare
+
     root = tmp_path_factory.mktemp("ddp")
+    prepare([str(corpus)], root / "tok", PrepareConfig(vocab_size=320, processes=1))
     base = ARGS + ["--set", f"data.source={corpus}", "--set", f"data.cache_dir={root / 'cache'}"]
+    prepared = ARGS + ["--set", f"data.source={root / 'tok'}", "--set", f"data.cache_dir={root / 'cache'}"]
     jobs = {}
     layouts = {
         "single-random": False,
@@ -147,20 +158,25 @@ def runs(corpus, tmp_path_factory) -> dict[str, dict]:
         "ddp-random": False,
         "ddp-same": True,
         "ddp-resume": False,
+        "ddp-prepared": False,
+        "ddp-prepared-resume": False,
     }  # name: same_data
     for name, same in layouts.items():
         extra = ["--set", "train.grad_accum=2"] if name.startswith("single") else []
         spy, out = str(root / name / "spy"), str(root / name / "runs")
-        jobs[name] = {"out": out, "spy": spy, "same_data": same, "args": base + extra}
+        jobs[name] = {"out": out, "spy": spy, "same_data": same, "args": (prepared if "prepared" in name else base)
+                      + extra}
     jobs["ddp-resume"]["resume_from"] = str(root / "ddp-random")
+    jobs["ddp-prepared-resume"]["resume_from"] = str(root / "ddp-prepared")
     for name in ("single-random", "single-same"):
         assert run_job(jobs[name]) == 0  # also builds the token cache, so the ranks only read it
     ddp = [job for name, job in jobs.items() if name.startswith("ddp")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, *"-m torch.distributed.run --standalone --nproc_per_node=2".split(), __file__]
-    proc = subprocess.run([*cmd, json.dumps(ddp)], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*cmd, json.dumps(ddp)], env=env, capture_output=True, text=True, timeout=100 * len(ddp))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {name: {**job, "out": Path(job["out"]), "spy": Path(job["spy"])} for name, job in jobs.items()}
+    return {name: {**job, "out": Path(job["out"]), "spy": Path(job["spy"])} for name, job in jobs.items()} | \
+        {"tok": root / "tok", "cache": root / "cache"}
 
 
 def test_two_ranks_match_one_process_within_data_noise(runs):
@@ -173,7 +189,7 @@ def test_two_ranks_match_one_process_within_data_noise(runs):
     assert two[-1] < 0.25 * two[0]  # it trained (the reference falls 4.1 → 0.7)
 
 
-@pytest.mark.parametrize("kind", ["random", "same", "resume"])
+@pytest.mark.parametrize("kind", ["random", "same", "resume", "prepared", "prepared-resume"])
 def test_ranks_end_identical_and_only_rank0_writes(runs, kind):
     job = runs[f"ddp-{kind}"]
     rank0 = spied(job["spy"], 0)
@@ -206,7 +222,30 @@ def test_resumed_two_rank_run_ends_bitwise_where_the_straight_one_does(runs):
     assert same_tensors(spied(resumed["spy"], 0), spied(straight["spy"], 0))
 
 
+def test_on_a_prepared_corpus_each_rank_draws_its_own_windows_and_a_resume_is_exact(runs):
+    from safetensors.torch import load_file
+
+    from optquant.corpus.manifest import open_prepared, read_manifest
+    from optquant.data import get_batch
+
+    straight, resumed = runs["ddp-prepared"], runs["ddp-prepared-resume"]
+    (run,) = straight["out"].iterdir()
+    record = json.loads((run / "config.json").read_text())
+    assert record["corpus_id"] == read_manifest(runs["tok"])["corpus_id"]
+    stream, seed = open_prepared(str(runs["tok"]), runs["cache"] / "tokens").train, record["config"]["seed"]
+    firsts = [load_file(str(straight["spy"] / f"batch{rank}.safetensors"))["x"] for rank in (0, 1)]
+    for rank, x in enumerate(firsts):  # the stream of train._setup's generator for this rank, on the shards
+        want, _ = get_batch(stream, 8, 32, torch.Generator().manual_seed(seed * 1000 + 17 + rank))
+        assert torch.equal(x, want)
+    assert not torch.equal(*firsts)
+    for key in ("val_loss", "train_loss"):
+        assert curve(resumed["out"], key) == curve(straight["out"], key)
+    assert same_tensors(spied(resumed["spy"], 0), spied(straight["spy"], 0))
+    assert probe_curve(resumed["spy"]) == probe_curve(straight["spy"])[RESUME_STEP // 10 :]
+
+
 if __name__ == "__main__":  # a torchrun worker: the jobs run in turn in the same processes
-    faulthandler.dump_traceback_later(240, exit=True)  # a hung collective fails the test with stacks
+    jobs = json.loads(sys.argv[1])
+    faulthandler.dump_traceback_later(80 * len(jobs), exit=True)  # a hung collective fails the test with stacks
     torch.set_num_threads(1)
-    sys.exit(max([run_job(job) for job in json.loads(sys.argv[1])]))
+    sys.exit(max([run_job(job) for job in jobs]))

@@ -259,4 +259,22 @@ def test_optquant_eval_equals_lm_eval_hf_on_the_export(nano_cfg, runs_cache, cor
         assert main(["eval", *source, "--tasks", LOCAL, "--include-path", str(tasks), "--out", str(out)]) == 0
         cli = json.loads(out.read_text())[LOCAL]
         assert (cli["acc"], cli["acc_norm"]) == (r["acc,none"], r["acc_norm,none"])
+    import shutil
+
+    from test_reliability import one_line_error
+
+    bare = tmp_path / "bare"  # the export without its tokenizer files: --tokenizer gives them back, as ptq/analyze
+    shutil.copytree(tmp_path / "hf", bare)
+    (tmp_path / "tokenizer.json").write_bytes((bare / "tokenizer.json").read_bytes())
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / f).unlink()
+    ask = ["--tasks", LOCAL, "--include-path", str(tasks), "--out", str(out)]
+    assert main(["eval", "--hf", str(bare), "--tokenizer", str(tmp_path / "tokenizer.json"), *ask]) == 0
+    cli = json.loads(out.read_text())[LOCAL]
+    assert (cli["acc"], cli["acc_norm"]) == (r["acc,none"], r["acc_norm,none"])
+    capsys.readouterr()
+    assert main(["eval", "--hf", str(bare), *ask]) == 2
+    one_line_error(capsys, str(bare), "--tokenizer PATH")
+    assert main(["eval", str(run), "--tokenizer", str(tmp_path / "tokenizer.json"), *ask]) == 2
+    one_line_error(capsys, "--tokenizer goes with --hf")
     capsys.readouterr()

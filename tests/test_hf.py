@@ -113,6 +113,32 @@ def test_ptq_and_analyze_cli_on_an_hf_folder(tmp_path, corpus, capsys):
     assert "not a Hugging Face model folder" in capsys.readouterr().err
 
 
+def test_an_hf_model_is_scored_on_a_prepared_directory_prepared_with_its_tokenizer(tmp_path, corpus, capsys):
+    """`--data DIR` from `optquant data prepare --tokenizer <the model folder>`: its val shards are the very tokens
+    the raw files give with the model's tokenizer (the same split by document, EOS after each), so RTN's damage is
+    the raw files' to the bit; GPTQ calibrates on its train shards; a directory prepared with another tokenizer is
+    one error line."""
+    from test_reliability import one_line_error
+
+    path = _with_tokenizer(save_tiny("llama", tmp_path / "llama", vocab_size=320), corpus)
+    prep = ["data", "prepare", str(corpus), "--processes", "1"]
+    assert main([*prep, "--out", str(tmp_path / "tok"), "--tokenizer", str(path)]) == 0
+
+    def damage(data: str, out: str) -> dict:
+        assert main(["ptq", "--hf", str(path), "--data", data, "--seq-len", "32", "--mc-items", "20",
+                     "--out", str(tmp_path / out)]) == 0
+        return json.loads((tmp_path / out / "w4a4-rtn" / "summary.json").read_text())
+
+    assert damage(str(tmp_path / "tok"), "prepared") == damage(str(corpus), "raw")
+    assert main(["analyze", "--hf", str(path), "--data", str(tmp_path / "tok"), "--seq-len", "32", "--method", "gptq",
+                 "--mc-items", "0", "--out", str(tmp_path / "prepared")]) == 0
+    assert json.loads((tmp_path / "prepared" / "w4a4-gptq" / "analysis.json").read_text())["R_L"] > 0
+    assert main([*prep, "--out", str(tmp_path / "bpe"), "--vocab-size", "300"]) == 0
+    capsys.readouterr()
+    assert main(["ptq", "--hf", str(path), "--data", str(tmp_path / "bpe"), "--seq-len", "32"]) == 2
+    one_line_error(capsys, "was prepared with another tokenizer than", "--tokenizer")
+
+
 def test_unsupported_family_is_one_clear_error(tmp_path):
     cfg = transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gpt2")
@@ -218,7 +244,7 @@ def test_a_bare_checkpoint_analyses_with_tokens_or_a_tokenizer_as_with_its_own(n
     assert main(["analyze", "--hf", str(bare), "--tokens", str(tmp_path / "2d.npy"), "--seq-len", "32"]) == 2
     one_line_error(capsys, "1-D array of integers")
     assert main(["analyze", "--hf", str(bare), "--seq-len", "32"]) == 2
-    one_line_error(capsys, str(bare), "--tokenizer PATH or --tokens FILE")
+    one_line_error(capsys, str(bare), "--tokenizer PATH (ptq/analyze: or --tokens FILE)")
     assert main(["ptq", "--hf", str(bare), *ids[:2]]) == 2
     one_line_error(capsys, "--mc-items 0")
 

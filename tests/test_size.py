@@ -34,11 +34,17 @@ from pathlib import Path
 # model, per-sublayer reads, the names checked), the ABC walk that quantizes one sublayer at a time (metrics/chain.py,
 # 170, mostly moved out of propagation.py), GPTQ over cached sublayer inputs with stacked solves (+70 in quant/ptq.py),
 # the chunked loss (+40).
-# Both merged: 15,755, budget 15,780.
-# Issue 32's weight averaging added ~145 (15,899): quant/averaging.py (EMA on torch's AveragedModel, LAWA's
+# Both merged: 15,755, budget 15,780. Issue 28's second part added 62 (15,817): a run records its prepared corpus's
+# corpus_id and is refused on a corpus prepared again (runs.check_corpus, ptq_stage.run_tokens, the resume and the
+# study's done runs), and `--hf --data DIR` reads a prepared directory as it is.
+# Issue 31's bit plan added ~345: quant/bit_plan.py (204: the exact knapsack, the ABC and oracle scores,
+# the llm-compressor/torchao exports), per-module bits in PTQConfig/quantize_ (+60), `optquant bits` and
+# `ptq --plan` (+75). With issue 30's small items (+5), all merged: budget 16,190.
+# Issue 32's weight averaging added ~145: quant/averaging.py (EMA on torch's AveragedModel, LAWA's
 # last-k checkpoints, the swap and the checkpointed state) and its wiring into the loop; OSP's single-scale
-# RMSNorm and embedding projections as model options (+67, model.py, the hash and groups): budget 15,970.
-BUDGET = 15_970
+# RMSNorm and embedding projections as model options (+67, model.py, the hash and groups), the arm's decay:FRACTION entries (+4): 16,389 merged
+# onto main's 16,173, budget 16,400.
+BUDGET = 16_400
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

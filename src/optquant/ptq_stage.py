@@ -28,7 +28,7 @@ from torch import nn
 
 from optquant.checkpoint import load_weights
 from optquant.config import RunConfig
-from optquant.data import fixed_batches, load_tokens
+from optquant.data import TokenData, fixed_batches, load_tokens
 from optquant.errors import OptquantError
 from optquant.evaluate import MCConfig, mc_eval, val_loss
 from optquant.files import NUMBER, atomic_write_json, check_record, finite_json, read_json, write_parquet
@@ -38,7 +38,7 @@ from optquant.metrics.outliers import aggregate, outlier_metrics
 from optquant.metrics.propagation import PropagationConfig, propagation, propagation_of
 from optquant.quant.ptq import SCHEMES, PTQConfig, quantize_
 from optquant.quant.rotate import rotate_model_
-from optquant.runs import PTQ_FILES, RunDir, Weights, read_config
+from optquant.runs import PTQ_FILES, RunDir, Weights, check_corpus, read_config
 from optquant.train import build_model
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,12 @@ def load_run_model(run_dir: Path, weights: Weights = "final") -> tuple[RunConfig
     return cfg, load_weights(path, build_model(cfg)).eval()
 
 
+def run_tokens(run_dir: Path, cfg: RunConfig) -> TokenData:
+    """The tokens and tokenizer a run trained on (its data.source), refused if that corpus was prepared again."""
+    check_corpus(run_dir, cfg.data.source)
+    return load_tokens(cfg.data, cfg.model.vocab_size)
+
+
 class LoadedRun:
     """A run's config, model and tokens, loaded once and shared by the PTQ and analysis of one job,
     with the (FP reference, quantized copy) pair of each scheme built once (GPTQ included). The quantized
@@ -82,7 +88,7 @@ class LoadedRun:
 
     def __init__(self, run_dir: Path, weights: Weights):
         cfg, model = load_run_model(run_dir, weights)
-        self._set(cfg, model, load_tokens(cfg.data, cfg.model.vocab_size))
+        self._set(cfg, model, run_tokens(run_dir, cfg))
 
     @classmethod
     def of(cls, cfg: RunConfig, model: nn.Module, data, owned: bool = False) -> LoadedRun:
@@ -234,7 +240,7 @@ def fp_outliers(run_dir: Path, acfg: AnalysisConfig = AnalysisConfig()) -> dict[
     if path.exists():
         return read_json(path)
     cfg, model = load_run_model(run_dir, acfg.weights)
-    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    data = run_tokens(run_dir, cfg)
     result = finite_json(aggregate(outlier_metrics(model, _batches(cfg, data.val, acfg.calib_batches,
                                                                    cfg.seed + 12345))))
     atomic_write_json(path, result)
@@ -259,3 +265,34 @@ def read_result(run_dir: Path, acfg: AnalysisConfig, scheme: str, what: Literal[
     check_record(path, record, {**dict.fromkeys(numbers, (*NUMBER, type(None))), "scheme": (str,),
                                 "weights": (str,)}, redo, finite=False)
     return record
+
+
+def model_bits(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, avg_bits: float, choices: tuple[int, ...],
+               score: Literal["abc", "oracle"] = "abc") -> dict[str, Any]:
+    """A bit plan of a loaded model (quant/bit_plan.py): `abc`, one ABC walk with every linear at the lowest
+    choice; `oracle`, one validation loss per (module, higher choice) plus one at the lowest."""
+    from optquant.quant.bit_plan import abc_gains, budget_units, check_choices, measured_gains, plan_record, solve
+    from optquant.quant.layers import linear_layers
+
+    cfg, model, data = run.cfg, run.model, run.data
+    choices = check_choices(choices, qcfg.format)
+    skip = () if qcfg.quantize_head else ("lm_head",)
+    params = {n: lin.weight.numel() for n, lin in linear_layers(model, skip=skip)}
+    budget_units(params, avg_bits, choices)  # an impossible average fails before any work
+    low = dataclasses.replace(qcfg, plan=tuple((n, choices[0]) for n in params))
+    if score == "abc":
+        pcfg = PropagationConfig(granularity="linear", skip=skip)
+        calib = _batches(cfg, data.val, acfg.calib_batches, cfg.seed + 12345)
+        rows, _ = propagation_of(model, low, calib, pcfg, run.calib(low, acfg))
+        gains = abc_gains(rows, params, choices)
+    elif score == "oracle":
+        val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
+        fp = model if qcfg.rotation == "none" else rotate_model_(copy.deepcopy(model))
+        walk = dataclasses.replace(qcfg, rotation="none")
+        gains = measured_gains(params, choices, lambda bits: val_loss(quantize_(
+            shared_copy(fp), dataclasses.replace(walk, plan=tuple(bits.items())), run.calib(walk, acfg)), val).loss)
+    else:
+        raise OptquantError(f"bits: --score must be abc or oracle, got {score!r}")
+    plan = solve(params, gains, avg_bits, choices)
+    return plan_record(plan, params, gains, {k: v for k, v in dataclasses.asdict(qcfg).items() if k != "plan"},
+                       avg_bits, choices, score)

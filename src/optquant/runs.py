@@ -137,14 +137,35 @@ def run_dir(root: Path, cfg: RunConfig) -> Path:
     return Path(root) / run_id(cfg)
 
 
-def write_config(path: Path, cfg: RunConfig) -> None:
+def write_config(path: Path, cfg: RunConfig, corpus_id: str | None = None) -> None:
+    """config.json; `corpus_id`: the prepared corpus the run trains on (no such field for the embedded corpus or
+    raw files, so their records are as they always were)."""
     import torch
 
     from optquant.config import to_dict
 
     record = {"config": to_dict(cfg), "optquant_version": optquant.__version__,
               "torch_version": torch.__version__, **git_commit()}
-    atomic_write_json(RunDir(path).config, record)
+    atomic_write_json(RunDir(path).config, record | ({"corpus_id": corpus_id} if corpus_id else {}))
+
+
+def check_corpus(path: Path, source: str) -> None:
+    """Refuse a run recorded on another prepared corpus than data.source holds now (prepared again into the same
+    directory, or edited): resuming, continuing or evaluating it would mix two corpora."""
+    try:  # a damaged record is config.json's own error where it is read (read_config); a resume rewrites it
+        record = read_json(RunDir(path).config)
+    except OptquantError:
+        record = None
+    recorded = record.get("corpus_id") if isinstance(record, dict) else None
+    if recorded is None:
+        return
+    from optquant.corpus.manifest import is_prepared, source_id
+
+    now = source_id(source) if is_prepared(source) else None
+    if now != recorded:
+        raise OptquantError(f"{path} was trained on corpus {str(recorded)[:16]}, but data.source={source} now holds "
+                            f"{'corpus ' + now[:16] if now else 'no prepared corpus'}; restore that corpus, or "
+                            "train a new run in another --out")
 
 
 def read_config(path: Path) -> RunConfig:

@@ -37,6 +37,7 @@ from torch import nn
 from optquant import distributed as dist
 from optquant.checkpoint import load_checkpoint, rng_state, save_checkpoint, save_weights, set_rng_state
 from optquant.config import RunConfig, TrainConfig, to_dict, validate
+from optquant.corpus.manifest import is_prepared
 from optquant.data import check_enough, check_epochs, fixed_batches, get_batch, load_tokens
 from optquant.device import use_bf16
 from optquant.errors import OptquantError
@@ -44,7 +45,7 @@ from optquant.evaluate import val_loss
 from optquant.files import atomic_write_json, open_nofollow
 from optquant.model import LM, count_params, lm_loss
 from optquant.optim import build_optimizers, ns_dtype, state_bytes
-from optquant.runs import RunDir, read_summary, truncate_metrics, write_config
+from optquant.runs import RunDir, check_corpus, read_summary, truncate_metrics, write_config
 from optquant.tracking import Tracker, open_tracker
 
 log = logging.getLogger(__name__)
@@ -177,8 +178,10 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
     check_enough(data.val, val_batch, cfg.model.seq_len, "val")
     model = build_model(cfg).to(ctx.device)
     check_epochs(cfg.data, total_steps(cfg, model) * tc.batch_size * cfg.model.seq_len, len(data.train))
+    if RunDir(run_dir).checkpoint.exists():  # a resume: on the corpus it began on, never a re-prepared one
+        check_corpus(run_dir, cfg.data.source)
     if ctx.rank == 0:  # after every check of the input: bad input leaves no run directory behind
-        write_config(run_dir, cfg)
+        write_config(run_dir, cfg, data.cache_key if is_prepared(cfg.data.source) else None)
     tracker = open_tracker(cfg.log, run_dir, to_dict(cfg)) if ctx.rank == 0 else Tracker()  # no-op unless log.to
     optimizers = build_optimizers(model, cfg.optim)
     ddp_model = ctx.wrap(model)

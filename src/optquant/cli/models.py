@@ -20,7 +20,9 @@ def _eval(args: argparse.Namespace) -> int:
     from optquant.runs import RunDir
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    model, tok, eot, prefix = _load_model(args.run_dir, args.hf, args.weights)
+    if args.tokenizer and args.hf is None:
+        raise OptquantError("eval: --tokenizer goes with --hf (a run has its own tokenizer)")
+    model, tok, eot, prefix = _load_model(args.run_dir, args.hf, args.weights, tokenizer=args.tokenizer)
     result = lm_eval_tasks(model, tok, eot, tasks, include_path=args.include_path, limit=args.limit, prefix_id=prefix)
     for task, r in result.items():
         print(f"{task:20s} acc={r['acc']:.4f}±{r['acc_stderr'] or 0:.4f}  "
@@ -32,19 +34,19 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_model(run_dir: Path | None, hf: Path | None, weights: str = "final", seq_len: int = 2048):
+def _load_model(run_dir: Path | None, hf: Path | None, weights: str = "final", seq_len: int = 2048,
+                tokenizer: Path | None = None):
     """(model, tokenizers.Tokenizer, EOS id, lm-eval's prefix id: None for a run, see harness.lm_eval_adapter)."""
     if (run_dir is None) == (hf is None):
         raise OptquantError("eval: give a run directory or --hf PATH (one of them)")
     if hf is not None:
         from optquant.hf import load_hf, load_hf_tokenizer
 
-        return load_hf(hf, seq_len), *load_hf_tokenizer(hf)
-    from optquant.data import load_tokens
-    from optquant.ptq_stage import load_run_model
+        return load_hf(hf, seq_len), *load_hf_tokenizer(tokenizer or hf, model=hf)
+    from optquant.ptq_stage import load_run_model, run_tokens
 
     cfg, model = load_run_model(run_dir, weights)
-    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    data = run_tokens(run_dir, cfg)
     return model, data.tokenizer, data.eot_id, None
 
 
@@ -58,6 +60,8 @@ def _add_eval_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, nargs="?", help="a finished run directory (or use --hf)")
     p.add_argument("--hf", type=Path, metavar="PATH", help="a local Hugging Face causal LM folder (needs optquant[hf])")
+    p.add_argument("--tokenizer", type=Path, metavar="PATH", help="with --hf: a tokenizer folder or tokenizer.json "
+                   "for a checkpoint without one (EOS: its own, else config.json's eos_token_id)")
     p.add_argument("--tasks", default="piqa,hellaswag,arc_easy", help="comma-separated lm-eval task names "
                    "(default: the paper's piqa,hellaswag,arc_easy)")
     p.add_argument("--include-path", type=Path, metavar="DIR", help="a folder of extra lm-eval task YAMLs")

@@ -1,5 +1,5 @@
-"""`optquant ptq` (the damage: val loss, MC accuracy) and `optquant analyze` (outliers, ABC) of one run or
-a local Hugging Face model (--hf)."""
+"""`optquant ptq` (the damage: val loss, MC accuracy), `optquant analyze` (outliers, ABC) and `optquant bits`
+(a per-module bit plan, quant/bit_plan.py) of one run or a local Hugging Face model (--hf)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,21 @@ def add_parsers(sub) -> None:
                        "(R, A, B, C, gains G, G1, G2 per module) against its quantized copy.")
     _add_flags(p)
     p.set_defaults(func=_quantized)
+    p = sub.add_parser("bits", help="a per-module bit plan at an average bit budget, from the ABC decomposition",
+                       description="Bits per linear layer (from --choices) whose parameter-weighted average is at "
+                       "most --avg-bits, ranked by each module's share of R_L (the error at the logits; --score "
+                       "oracle: by measured damage). Writes plan.json for `optquant ptq --plan`, and optionally an "
+                       "llm-compressor recipe and a torchao snippet. --w-bits is ignored: the choices set it.")
+    _add_flags(p)
+    p.add_argument("--avg-bits", type=float, required=True, help="the average weight bits, e.g. 4.5")
+    p.add_argument("--choices", default="4,8", help="comma-separated bit widths a module may get (default 4,8)")
+    p.add_argument("--score", choices=["abc", "oracle"], default="abc",
+                   help="abc: the decomposition (one walk); oracle: each module's measured damage (many passes)")
+    p.add_argument("--plan-out", "--plan", dest="plan_out", type=Path, default=Path("plan.json"),
+                   help="the plan file to write (default plan.json)")
+    p.add_argument("--recipe", type=Path, help="also write the plan as an llm-compressor recipe (YAML)")
+    p.add_argument("--torchao", type=Path, help="also write a torchao snippet applying the plan")
+    p.set_defaults(func=_bits)
 
 
 def _add_flags(p: argparse.ArgumentParser) -> None:
@@ -39,6 +54,9 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["final", "cl"], default="final",
                    help="final weights or the Common-Loss checkpoint")
     p.add_argument("--mc-items", type=int, default=200, help="multiple-choice items (0 = skip)")
+    if p.prog.split()[-1] == "ptq":
+        p.add_argument("--plan", type=Path, help="a bit plan from optquant bits: each module at its planned bits "
+                       "(the scheme is the plan's; --method/--w-bits/--a-bits/... are ignored)")
     _add_hf_flags(p)
 
 
@@ -47,7 +65,8 @@ def _add_hf_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf", type=Path, metavar="PATH", help="analyse a local Hugging Face causal LM folder "
                    "(Llama, Mistral, Qwen2, Qwen3, OLMo2) instead of a run; nothing is downloaded")
     g.add_argument("--data", default="embedded", metavar="SRC", help="with --hf: the text to evaluate on, "
-                   "encoded with the folder's tokenizer (default: the embedded corpus; or .txt/.jsonl/.parquet)")
+                   "encoded with the folder's tokenizer (default: the embedded corpus; or .txt/.jsonl/.parquet, or a "
+                   "directory from optquant data prepare --tokenizer <the model's>)")
     g.add_argument("--tokenizer", type=Path, metavar="PATH", help="with --hf: a tokenizer folder or tokenizer.json "
                    "for a checkpoint without one (EOS: its own, else config.json's eos_token_id)")
     g.add_argument("--tokens", type=Path, metavar="FILE", help="with --hf: token ids instead of --data text, for the "
@@ -63,6 +82,15 @@ def _add_hf_flags(p: argparse.ArgumentParser) -> None:
 def _ptq_config(args: argparse.Namespace):
     from optquant.quant.ptq import PTQConfig
 
+    if getattr(args, "plan", None) is not None:
+        from optquant.files import read_json
+        from optquant.quant.bit_plan import check_record
+
+        ptq, _, bits = check_record(read_json(args.plan), str(args.plan))
+        try:
+            return PTQConfig(**ptq, plan=tuple(bits.items()))
+        except TypeError as e:
+            raise OptquantError(f"{args.plan}: its ptq record is not a scheme ({e})") from None
     return PTQConfig(method=args.method, w_bits=args.w_bits, a_bits=args.a_bits, format=args.format,
                      grid=args.grid, w_group_size=args.group_size, quantize_head=args.quantize_head,
                      rotation=args.rotation, act_order=args.act_order)
@@ -121,4 +149,47 @@ def _quantized(args: argparse.Namespace) -> int:
     names = [PTQ_FILES[k] for k in (("damage",) if what == "ptq" else ("analysis", "outliers", "propagation"))]
     written = names[0] if len(names) == 1 else "{" + ",".join(names) + "}"
     print(f"written: {out}/{written}")
+    return 0
+
+
+def _bits(args: argparse.Namespace) -> int:
+    """`optquant bits`: the plan of one run or HF model, written atomically to --plan-out (and the exports)."""
+    from optquant.files import atomic_write_json, atomic_write_text
+    from optquant.ptq_stage import LoadedRun, model_bits
+    from optquant.quant.bit_plan import hf_names, llmcompressor_recipe, torchao_snippet, yaml_text
+
+    try:
+        choices = tuple(int(c) for c in args.choices.split(","))
+    except ValueError:
+        raise OptquantError(f"bits: --choices {args.choices!r} must be comma-separated integers, e.g. 4,8") from None
+    qcfg, acfg = _ptq_config(args), _analysis_config(args)
+    if args.hf is not None:
+        from optquant.data import DataConfig
+        from optquant.hf.ptq_stage import HFSource, _setup
+
+        if args.run_dir is not None:
+            raise OptquantError("bits: give a run directory or --hf PATH, not both")
+        src = HFSource(args.hf, DataConfig(source=args.data), seq_len=args.seq_len, tokenizer=args.tokenizer,
+                       tokens=args.tokens, calib_tokens=args.calib_tokens, dtype=args.dtype)
+        cfg, model, data = _setup(src, acfg, lazy=args.score == "abc" and qcfg.rotation == "none")
+        run = LoadedRun.of(cfg, model, data, owned=True)
+    elif args.run_dir is None:
+        raise OptquantError("bits: give a run directory (from optquant train) or --hf PATH")
+    else:
+        from optquant.runs import RunDir
+
+        if not RunDir(args.run_dir).config.is_file():
+            raise OptquantError(f"{args.run_dir}: not a run directory (no config.json)")
+        run = LoadedRun(args.run_dir, acfg.weights)
+    record = model_bits(run, qcfg, acfg, args.avg_bits, choices, args.score)
+    atomic_write_json(args.plan_out, record)
+    bits = {m: v["bits"] for m, v in record["modules"].items()}
+    if args.recipe:
+        atomic_write_text(args.recipe, yaml_text(llmcompressor_recipe(bits, record["ptq"], hf_names(bits))))
+    if args.torchao:
+        atomic_write_text(args.torchao, torchao_snippet(bits, hf_names(bits)))
+    counts = {b: sum(v == b for v in bits.values()) for b in record["choices"]}
+    print(f"plan: {', '.join(f'{n} modules at {b} bits' for b, n in counts.items())}; average "
+          f"{record['plan_avg_bits']:.4f} bits (budget {args.avg_bits}), score {args.score}")
+    print(f"written: {args.plan_out}" + "".join(f", {f}" for f in (args.recipe, args.torchao) if f))
     return 0

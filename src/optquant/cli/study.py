@@ -28,7 +28,8 @@ def add_parsers(sub) -> None:
                        description="Runs (or resumes) the whole pipeline. Presets: smoke (every stage at toy scale), "
                        "cpu (the default; a 2-core CPU), gpu, paper. Rerunning a killed study redoes nothing "
                        "that finished.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=["smoke", "cpu", "gpu", "paper"], help="study preset (default: cpu)")
+    p.add_argument("--preset", metavar="NAME", help="study preset: smoke, cpu (the default), cpu-thorough, gpu or "
+                   "paper (docs/configuration.md, Study presets)")
     p.add_argument("--config", type=Path, help="TOML file of study settings")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a study setting (repeatable)")
     p.add_argument("--out", type=Path, help="study directory (default: studies/<preset>)")

@@ -175,6 +175,17 @@ class Prepared:
     manifests: tuple[dict, ...]
 
 
+def joint_id(manifests: list[dict] | tuple[dict, ...]) -> str:
+    """The corpus_id of one prepared directory, or of several given together."""
+    return manifests[0]["corpus_id"] if len(manifests) == 1 else \
+        hashlib.sha256("".join(m["corpus_id"] for m in manifests).encode()).hexdigest()
+
+
+def source_id(source: str) -> str:
+    """The corpus_id of prepared `source` (comma-separated), from its manifests alone."""
+    return joint_id([read_manifest(Path(p).expanduser()) for p in source.split(",")])
+
+
 def open_prepared(source: str, cache: Path) -> Prepared:
     """The prepared directories of `source` (comma-separated), checked; one stream per split."""
     roots = [Path(p).expanduser() for p in source.split(",")]
@@ -192,8 +203,7 @@ def open_prepared(source: str, cache: Path) -> Prepared:
         ok = False
     if not ok:
         raise OptquantError(f"{tok_file}: missing or not the tokenizer the manifest names; prepare the corpus again")
-    cid = manifests[0]["corpus_id"] if len(roots) == 1 else \
-        hashlib.sha256("".join(m["corpus_id"] for m in manifests).encode()).hexdigest()
+    cid = joint_id(manifests)
     dtype = manifests[0]["dtype"]
     splits = {s: [Shard(r / e["file"], int(e["tokens"]), e["sha256"]) for r, m in zip(roots, manifests, strict=True)
                   for e in m["shards"][s]] for s in SPLITS}

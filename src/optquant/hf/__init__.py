@@ -105,8 +105,9 @@ def load_hf_tokenizer(path: Path, model: Path | None = None):
         tok = (transformers.PreTrainedTokenizerFast(tokenizer_file=str(path)) if path.is_file() else
                transformers.AutoTokenizer.from_pretrained(path, local_files_only=True))
     except Exception as e:  # transformers / tokenizers over files from elsewhere: any failure is bad input
-        raise OptquantError(f"{path}: no tokenizer transformers can load ({(str(e).splitlines() or [''])[0]}); for a "
-                            "checkpoint without one, ptq/analyze --hf take --tokenizer PATH or --tokens FILE") from None
+        first = (str(e).splitlines() or [""])[0]
+        raise OptquantError(f"{path}: no tokenizer transformers can load ({first}); for a checkpoint without one, "
+                            "--hf takes --tokenizer PATH (ptq/analyze: or --tokens FILE)") from None
     eos = tok.eos_token_id
     if eos is None and model is not None:
         eos = check_hf_config(model).get("eos_token_id")

@@ -28,12 +28,12 @@ from pathlib import Path
 
 import torch
 
-from optquant.data import EOT, load_tokens
+from optquant.data import EOT
 from optquant.errors import OptquantError
 from optquant.files import temp_path
 from optquant.hf import require_transformers
 from optquant.model import LM
-from optquant.ptq_stage import load_run_model
+from optquant.ptq_stage import load_run_model, run_tokens
 from optquant.runs import RunDir, Weights
 
 
@@ -128,7 +128,7 @@ def export_hf(run_dir: Path, out: Path, weights: Weights = "final", force: bool 
     if cfg.model.norm != "rms" or cfg.model.embed_proj:
         raise OptquantError(f"{run_dir}: OSP's model.norm=single / model.embed_proj are not exported (no merge "
                             "into LlamaForCausalLM's weights is written)")
-    data = load_tokens(cfg.data, cfg.model.vocab_size)
+    data = run_tokens(run_dir, cfg)
     hf = transformers.LlamaForCausalLM(llama_config(model, data.eot_id))
     missing, unexpected = hf.load_state_dict(llama_state_dict(model), strict=False)
     if unexpected or [k for k in missing if not (k == "lm_head.weight" and cfg.model.tie_embeddings)]:

@@ -4,7 +4,9 @@ The model is the HF folder's weights seen through `optquant.hf.adapter.HFLM`; th
 (`data.source`, the embedded one by default) split by document exactly as for our runs and encoded with
 the folder's own tokenizer, its EOS token after every document. Validation windows (val loss, outliers,
 ABC) come from the held-out documents, GPTQ calibration from the first training documents, and the
-built-in multiple-choice task from the held-out stream, all seeded as for our runs. Results go to
+built-in multiple-choice task from the held-out stream, all seeded as for our runs. A directory prepared by
+`optquant data prepare` is read as it is (its val shards, train shards and tokenizer), if its tokenizer is the
+model's (the same vocabulary; a folder without a tokenizer takes the directory's). Results go to
 `OUT/<scheme>/` (default OUT: `hf-analysis/<folder name>`), the same files `optquant ptq/analyze` write.
 The model stays in its stored dtype (`dtype`) and is held once: `ptq` quantizes it in place after its FP
 numbers; `analyze` reads the decoder layers lazily (hf/lazy.py), one sublayer at a time, and makes each
@@ -20,6 +22,7 @@ Without text there is no built-in multiple-choice task (its acc_norm counts char
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from optquant.config import RunConfig, TrainConfig
-from optquant.data import DataConfig, TokenData, read_documents, split_documents
+from optquant.corpus.manifest import is_prepared
+from optquant.data import DataConfig, TokenData, load_tokens, read_documents, split_documents
 from optquant.errors import OptquantError
 from optquant.hf import load_hf, load_hf_tokenizer
 from optquant.model import ModelConfig
@@ -74,9 +78,26 @@ def file_tokens(src: HFSource, vocab_size: int, seq_len: int) -> TokenData:
     return TokenData(train, val, vocab_size, None, -1, f"tokens:{src.tokens}")
 
 
+def prepared_tokens(src: HFSource) -> TokenData:
+    """A prepared corpus (`optquant data prepare`) as it is: its shards and tokenizer. The model's own tokenizer (the
+    folder's tokenizer.json, or `src.tokenizer`), where it has one, must have the same vocabulary."""
+    from tokenizers import Tokenizer
+
+    data = load_tokens(src.data, sys.maxsize)  # the model's embeddings are checked by _setup
+    own = Path(src.tokenizer or src.path)
+    file = own / "tokenizer.json" if own.is_dir() else own
+    if file.is_file() and Tokenizer.from_file(str(file)).get_vocab(True) != data.tokenizer.get_vocab(True):
+        raise OptquantError(f"--data {src.data.source} was prepared with another tokenizer than {file}; prepare it "
+                            f"with optquant data prepare ... --tokenizer {own}")
+    return data
+
+
 def hf_tokens(src: HFSource, train_tokens: int) -> TokenData:
     """Held-out documents fully, and the first training documents up to `train_tokens` tokens, encoded with
-    the folder's tokenizer (or `src.tokenizer`; AutoTokenizer's fast backend), EOS after each document."""
+    the folder's tokenizer (or `src.tokenizer`; AutoTokenizer's fast backend), EOS after each document;
+    a prepared corpus's own shards (`prepared_tokens`)."""
+    if is_prepared(src.data.source):
+        return prepared_tokens(src)
     backend, eos, _ = load_hf_tokenizer(src.tokenizer or src.path, model=src.path)
     train_docs, val_docs = split_documents(read_documents(src.data), src.data)
 

@@ -19,6 +19,7 @@ Left out on purpose: rotation inside the walk (the rotated FP model is made whol
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from optquant.device import resident
 from optquant.errors import OptquantError
 from optquant.metrics.gains import rows2d, syrk
 from optquant.quant.layers import QuantLinear, linear_layers
-from optquant.quant.ptq import PTQConfig, _calib_batches, check_group_sizes, quantize_unit_
+from optquant.quant.ptq import PTQConfig, _calib_batches, check_group_sizes, check_plan, quantize_unit_
 
 GRAM_ROWS = 8192  # vocabulary rows per chunk of the head's Gram matrix
 
@@ -113,6 +114,7 @@ def quantized_links(model: nn.Module, qcfg: PTQConfig, cfg, calib: Iterable | No
         raise OptquantError("quantized_links: rotate the FP model first (ptq_pair), then walk it unrotated")
     layers = dict(linear_layers(model, skip=() if qcfg.quantize_head else ("lm_head",)))
     check_group_sizes(list(layers.items()), qcfg)
+    check_plan(qcfg, list(layers))
     names = {id(m): n for n, m in model.named_modules()}
     gptq = qcfg.method == "gptq" and calib is not None
     device = next(model.parameters()).device
@@ -124,7 +126,9 @@ def quantized_links(model: nn.Module, qcfg: PTQConfig, cfg, calib: Iterable | No
             q_sub = shared_copy(sub)
             mine = [n[len(prefix) + 1 :] for n in layers if n.startswith(prefix + ".")]
             more = i + 1 < len(subs) or qcfg.quantize_head
-            xs = quantize_unit_(q_sub, q_sub, {r: q_sub.get_submodule(r) for r in mine}, qcfg, xs, outputs=more)
+            local = dataclasses.replace(qcfg, plan=tuple((n[len(prefix) + 1 :], b) for n, b in qcfg.plan
+                                                         if n.startswith(prefix + ".")))  # names inside q_sub
+            xs = quantize_unit_(q_sub, q_sub, {r: q_sub.get_submodule(r) for r in mine}, local, xs, outputs=more)
             link = Link(prefix, "sublayer", sub, q_sub, not mine)
             _assign_linears(model, [link], cfg, lambda n, q=q_sub, p=prefix: q.get_submodule(n[len(p) + 1 :]))
             yield link

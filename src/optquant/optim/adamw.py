@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 import torch
 
 from optquant.optim.groups import ParamGroups
-from optquant.optim.ranges import NONNEG, POSITIVE, Range
+from optquant.optim.ranges import NONNEG, POSITIVE, UNIT, Range
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class AdamWConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
 
-    RANGES: ClassVar[dict[str, Range]] = {"eps": POSITIVE, "weight_decay": NONNEG}
+    RANGES: ClassVar[dict[str, Range]] = {"eps": POSITIVE, "weight_decay": NONNEG, "beta1": UNIT, "beta2": UNIT}
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """torch AdamW(fused=True): exp_avg, exp_avg_sq and a 0-d fp32 `step` tensor per parameter."""

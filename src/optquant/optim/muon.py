@@ -98,7 +98,8 @@ class MuonConfig:
     # group step sizes a study can tie to lr and search: label -> (fixed field, ratio field)
     GROUP_LRS: ClassVar[dict[str, tuple[str, str]]] = {"adamw": ("adam_lr", "adam_lr_ratio")}
     RANGES: ClassVar[dict[str, Range]] = {"momentum": UNIT, "ns_steps": ONE_UP, "weight_decay": NONNEG,
-                                          "adam_lr": POSITIVE, "adam_lr_ratio": NONNEG, "adam_eps": POSITIVE}
+                                          "adam_lr": POSITIVE, "adam_lr_ratio": NONNEG, "adam_eps": POSITIVE,
+                                          "adam_beta1": UNIT, "adam_beta2": UNIT}
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """torch.optim.Muon's one momentum buffer per matrix; the rest is the AdamW optimizer's state."""

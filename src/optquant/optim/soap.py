@@ -40,7 +40,8 @@ class SOAPConfig:
     merge_dims: bool = False
 
     RANGES: ClassVar[dict[str, Range]] = {"eps": POSITIVE, "weight_decay": NONNEG, "precondition_frequency": ONE_UP,
-                                          "max_precondition_dim": ONE_UP, "shampoo_beta": UNIT}
+                                          "max_precondition_dim": ONE_UP, "shampoo_beta": UNIT, "beta1": UNIT,
+                                          "beta2": UNIT}
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """pytorch_optimizer.SOAP (`init_pre_conditioner`, `get_orthogonal_matrix`): exp_avg and exp_avg_sq,

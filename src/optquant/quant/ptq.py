@@ -30,9 +30,10 @@ keeps them FP).
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -65,6 +66,7 @@ class PTQConfig:
     damp: float = 0.01  # GPTQ: λ in H + λ·mean(diag H)·I
     act_order: bool = False  # GPTQ: columns by decreasing diag H
     n_calib: int = 128  # GPTQ: calibration sequences
+    plan: tuple[tuple[str, int], ...] = ()  # per-module bits (quant/bit_plan.py): (linear's name, bits)
 
     def __post_init__(self) -> None:
         if self.method not in ("rtn", "gptq"):
@@ -79,6 +81,9 @@ class PTQConfig:
                 raise OptquantError(f"ptq.{field}={bits} is not 2..16 (16 = off; 4 or 16 for {self.format})")
         if self.w_group_size < 0 or self.a_group_size < 0:
             raise OptquantError("ptq group sizes must be >= 0 (0 = per channel / per token)")
+        for name, bits in self.plan:
+            if type(bits) is not int or not 2 <= bits <= OFF or (self.format != "int" and bits not in (4, OFF)):
+                raise OptquantError(f"ptq.plan: {name} at {bits} bits is not 2..16 (4 or 16 for {self.format})")
         if self.damp <= 0 or self.n_calib < 1:
             raise OptquantError(f"ptq.damp must be > 0 and ptq.n_calib >= 1, got {self.damp}, {self.n_calib}")
 
@@ -114,7 +119,17 @@ class PTQConfig:
             parts.append("had")
         if self.quantize_head:
             parts.append("head")
+        if self.plan:  # the plan's bits, hashed: one directory per plan
+            parts.append("plan-" + hashlib.sha256(repr(sorted(self.plan)).encode()).hexdigest()[:8])
         return "-".join(parts)
+
+    def for_module(self, name: str) -> PTQConfig:
+        """The scheme of one linear: its planned bits for the weights and, when activations are quantized,
+        for its inputs too (a plan's 8 turns W4A4 into W8A8 and W4A16 into W8A16); else the scheme itself."""
+        bits = dict(self.plan).get(name)
+        if bits is None:
+            return self
+        return replace(self, w_bits=bits, a_bits=OFF if self.a_bits >= OFF else bits, plan=())
 
 
 def _spec(bits: int, grid: str, fmt: str, group: int, per_row: str) -> QuantSpec | None:
@@ -152,7 +167,7 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
     """
     if any(isinstance(m, QuantLinear) for m in model.modules()):
         raise OptquantError("the model is already quantized; quantize a fresh copy")
-    if cfg.method == "gptq" and cfg.w_bits < OFF and calib is None:
+    if cfg.method == "gptq" and (cfg.w_bits < OFF or cfg.plan) and calib is None:
         raise OptquantError("ptq.method='gptq' needs calibration data (calib=...)")
     if cfg.rotation == "hadamard":
         from optquant.quant.rotate import rotate_model_  # only the rotated schemes need it
@@ -160,11 +175,12 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
         rotate_model_(model)
     layers = linear_layers(model, skip=() if cfg.quantize_head else ("lm_head",))
     check_group_sizes(layers, cfg)
-    if cfg.method == "gptq" and cfg.w_bits < OFF:
+    check_plan(cfg, [n for n, _ in layers])
+    if cfg.method == "gptq" and any(cfg.for_module(n).w_bits < OFF for n, _ in layers):
         _gptq_(model, layers, cfg, calib)
     else:
         for name, lin in layers:
-            replace_module(model, name, rtn_linear(lin, cfg))
+            replace_module(model, name, rtn_linear(lin, cfg.for_module(name)))
     log.info("quantized %d linear layers with %s", len(layers), cfg.name)
     return model
 
@@ -174,6 +190,14 @@ def rtn_linear(lin: nn.Module, cfg: PTQConfig) -> QuantLinear:
     spec = cfg.weight_spec
     W = lin.weight.detach().clone() if spec is None else fake_quant(lin.weight.detach(), spec)
     return QuantLinear(W, lin.bias, cfg.act_spec, cfg.name)
+
+
+def check_plan(cfg: PTQConfig, names: list[str]) -> None:
+    """Every module a plan names must be one of the linears quantized here."""
+    unknown = sorted(set(dict(cfg.plan)) - set(names))
+    if unknown:
+        raise OptquantError(f"ptq.plan: module {unknown[0]!r} is not a quantized linear of this model "
+                            f"({len(unknown)} such; e.g. {', '.join(names[:3])} are)")
 
 
 def check_group_sizes(layers: list[tuple[str, nn.Linear]], cfg: PTQConfig) -> None:
@@ -251,20 +275,38 @@ def _capture_group(model, pending: dict[str, nn.Module], batches: list[Tensor]) 
 
 
 def _solve_group(model: nn.Module, pending: dict[str, nn.Module], hessians: dict[str, Tensor], cfg: PTQConfig,
-                 done: list[QuantLinear]) -> None:
-    """GPTQ of one captured group: the layers' weights stacked by rows (one column loop), then split back."""
+                 done: dict[str, QuantLinear]) -> None:
+    """GPTQ of one captured group: the layers' weights stacked by rows (one column loop per weight format of a
+    plan), then split back; a layer planned at 16 bits keeps its weight."""
     names = list(hessians)
     lins = [pending.pop(n) for n in names]
-    spec, H = cfg.weight_spec, next(iter(hessians.values()))
-    stack = spec.format != "nvfp4" and len({lin.weight.dtype for lin in lins}) == 1
-    parts = [[lin] for lin in lins] if not stack else [lins]
-    for part in parts:
-        W = torch.cat([lin.weight.detach() for lin in part]) if len(part) > 1 else part[0].weight
-        Q = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=GPTQ_BLOCK_SIZE, act_order=cfg.act_order)
-        for lin, Qi in zip(part, Q.split([lin.out_features for lin in part]), strict=True):
-            name = names[lins.index(lin)]
-            done.append(replace_module(model, name, QuantLinear(Qi.contiguous(), lin.bias, None, cfg.name)))
-            log.debug("GPTQ quantized %s", name)
+    H = next(iter(hessians.values()))
+    by_spec: dict = {}
+    for name, lin in zip(names, lins, strict=True):
+        by_spec.setdefault(cfg.for_module(name).weight_spec, []).append((name, lin))
+    for spec, members in by_spec.items():
+        if spec is None:
+            done.update((n, replace_module(model, n, rtn_linear(lin, cfg.for_module(n)))) for n, lin in members)
+            continue
+        stack = spec.format != "nvfp4" and len({lin.weight.dtype for _, lin in members}) == 1
+        for part in [[m] for m in members] if not stack else [members]:
+            W = torch.cat([lin.weight.detach() for _, lin in part]) if len(part) > 1 else part[0][1].weight
+            Q = gptq_quantize(W, H, spec, damp=cfg.damp, block_size=GPTQ_BLOCK_SIZE, act_order=cfg.act_order)
+            for (name, lin), Qi in zip(part, Q.split([lin.out_features for _, lin in part]), strict=True):
+                q = QuantLinear(Qi.contiguous(), lin.bias, None, cfg.for_module(name).name)
+                done[name] = replace_module(model, name, q)
+                log.debug("GPTQ quantized %s", name)
+
+
+def _rtn_rest(root: nn.Module, pending: dict[str, nn.Module], done: dict[str, QuantLinear], cfg: PTQConfig) -> None:
+    if pending:
+        log.warning("GPTQ: %d layers never ran on the calibration data; using RTN", len(pending))
+        done.update((n, replace_module(root, n, rtn_linear(lin, cfg.for_module(n)))) for n, lin in pending.items())
+
+
+def _acts_on(done: dict[str, QuantLinear], cfg: PTQConfig) -> None:
+    for name, layer in done.items():  # activations stayed FP during calibration; switch their quantizers on now
+        layer.act = cfg.for_module(name).act_spec
 
 
 def _chain_units(model: nn.Module, pending: dict[str, nn.Module]) -> list[tuple]:
@@ -290,19 +332,16 @@ def quantize_unit_(root: nn.Module, unit, layers: dict[str, nn.Module], cfg: PTQ
     or GPTQ from the unit's calibration inputs `xs` in true-sequential groups. Returns the unit's outputs
     on `xs`, its weights quantized and activations not (the next unit's calibration inputs; None without
     `xs` or `outputs`). Afterwards the activation quantizers are on."""
-    if cfg.method != "gptq" or cfg.w_bits >= OFF or xs is None:
+    if cfg.method != "gptq" or all(cfg.for_module(n).w_bits >= OFF for n in layers) or xs is None:
         for name, lin in layers.items():
-            replace_module(root, name, rtn_linear(lin, cfg))
+            replace_module(root, name, rtn_linear(lin, cfg.for_module(name)))
         return [unit(x) for x in xs] if xs is not None and outputs else None
-    pending, done = dict(layers), []
+    pending, done = dict(layers), {}
     while pending and (hessians := _capture_group(unit, pending, xs)):
         _solve_group(root, pending, hessians, cfg, done)
-    if pending:
-        log.warning("GPTQ: %d layers never ran on the calibration data; using RTN", len(pending))
-        done += [replace_module(root, n, rtn_linear(lin, cfg)) for n, lin in pending.items()]
+    _rtn_rest(root, pending, done, cfg)
     ys = [unit(x) for x in xs] if outputs else None
-    for layer in done:  # activations stayed FP during calibration; switch their quantizers on now
-        layer.act = cfg.act_spec
+    _acts_on(done, cfg)
     return ys
 
 
@@ -314,11 +353,8 @@ def _gptq_(model: nn.Module, layers: list[tuple[str, nn.Module]], cfg: PTQConfig
         for i, (unit, mine) in enumerate(units):
             xs = quantize_unit_(model, unit, mine, cfg, xs, outputs=any(m for _, m in units[i + 1 :]))
         return
-    pending, done = dict(layers), []
+    pending, done = dict(layers), {}
     while pending and (hessians := _capture_group(model, pending, batches)):
         _solve_group(model, pending, hessians, cfg, done)
-    if pending:
-        log.warning("GPTQ: %d layers never ran on the calibration data; using RTN", len(pending))
-        done += [replace_module(model, n, rtn_linear(lin, cfg)) for n, lin in pending.items()]
-    for layer in done:  # activations stayed FP during calibration; switch their quantizers on now
-        layer.act = cfg.act_spec
+    _rtn_rest(model, pending, done, cfg)
+    _acts_on(done, cfg)

@@ -36,7 +36,7 @@ from optquant.ptq_stage import (
     read_result,
 )
 from optquant.quant.ptq import PTQConfig
-from optquant.runs import RunDir, locked, read_config, read_summary
+from optquant.runs import RunDir, check_corpus, locked, read_config, read_summary
 from optquant.train import train
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,10 @@ class TrainJob:
         return "qat" if self.cfg.qat is not None else "cl" if self.cfg.train.cl_threshold is not None else "fp"
 
     def done(self) -> Result | None:
-        return read_summary(self.dir)
+        summary = read_summary(self.dir)
+        if summary is not None:  # a study continued on a corpus prepared again must not reuse this run
+            check_corpus(self.dir, self.cfg.data.source)
+        return summary
 
     def cost(self) -> float:
         """Training FLOPs: 6·N·D + attention (cost.training_flops)."""

@@ -1,0 +1,262 @@
+"""The per-module bit plan (quant/bit_plan.py), its application (`quantize_` with a plan) and its exports.
+
+Strategy: the knapsack against brute force over every plan (random instances, two and three choices), and the
+budget met exactly where it can be; a plan with every module at 4 bits against uniform W4 bitwise (RTN and
+GPTQ); the measured oracle on a three-module toy whose damage adds up exactly, against brute force over plans;
+on a trained nano run with one module made sensitive (an outlier input column), the decomposition's plan puts
+that module at 8 bits and beats uniform W4; the CLI end to end, bad input as one line; the llm-compressor
+recipe applied by llm-compressor itself to the HF export (skipped where it is not installed).
+"""
+
+import copy
+import itertools
+import json
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+from test_reliability import one_line_error
+from torch import nn
+
+from optquant.cli import main
+from optquant.errors import OptquantError
+from optquant.model import LM, model_config
+from optquant.quant.bit_plan import (
+    average_bits,
+    hf_names,
+    llmcompressor_recipe,
+    measured_gains,
+    solve,
+    torchao_snippet,
+)
+from optquant.quant.layers import QuantLinear, linear_layers
+from optquant.quant.ptq import PTQConfig, quantize_
+
+
+def _brute(params, gains, avg, choices):
+    """The best total gain over every plan within the budget, and the most bits such a plan uses."""
+    names, best = list(params), (-1.0, 0)
+    for bits in itertools.product(choices, repeat=len(names)):
+        plan = dict(zip(names, bits, strict=True))
+        if average_bits(plan, params) <= Fraction(str(avg)):
+            best = max(best, (round(sum(gains[m][b] for m, b in plan.items()), 9), sum(params[m] * b for m, b in
+                                                                                       plan.items())))
+    return best
+
+
+@pytest.mark.parametrize("choices", [(4, 8), (4, 6, 8), (3, 4, 16)])
+def test_the_knapsack_is_brute_force(choices):
+    rng = random.Random(0)
+    for _ in range(25):
+        params = {f"m{i}": rng.choice((64, 128, 192, 256, 512)) for i in range(5)}
+        gains = {m: {b: 0.0 if b == choices[0] else rng.random() * (b - choices[0]) for b in choices}
+                 for m in params}
+        avg = round(rng.uniform(choices[0], choices[-1]), 3)
+        plan = solve(params, gains, avg, choices)
+        assert average_bits(plan, params) <= Fraction(str(avg))
+        got = (round(sum(gains[m][b] for m, b in plan.items()), 9), sum(params[m] * b for m, b in plan.items()))
+        assert got == _brute(params, gains, avg, choices)
+
+
+def test_the_budget_is_met_exactly_where_it_can_be():
+    params = {"a": 100, "b": 200, "c": 300, "d": 400}
+    gains = {m: {4: 0.0, 8: g} for m, g in zip(params, (1.0, 0.1, 0.2, 5.0), strict=True)}
+    plan = solve(params, gains, 5.2, (4, 8))  # 4·300 extra bits: c alone or a + b; a + b gains more
+    assert average_bits(plan, params) == Fraction("5.2") and plan == {"a": 8, "b": 8, "c": 4, "d": 4}
+    zero = {m: {4: 0.0, 8: 0.0} for m in params}  # nothing to gain: the fill still uses the whole budget
+    assert average_bits(solve(params, zero, 5.6, (4, 8)), params) == Fraction("5.6")
+    assert average_bits(solve(params, gains, 8, (4, 8)), params) == 8
+
+
+@pytest.mark.parametrize("avg", [3.9, 8.5, float("nan"), float("inf")])
+def test_an_impossible_average_is_an_error(avg):
+    with pytest.raises(OptquantError, match="impossible"):
+        solve({"a": 10}, {"a": {4: 0.0, 8: 1.0}}, avg, (4, 8))
+
+
+def _lm() -> tuple[LM, torch.Tensor]:
+    torch.manual_seed(0)
+    return LM(model_config("nano", vocab_size=64, seq_len=32)).eval(), torch.randint(0, 64, (4, 32))
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("a_bits", [4, 16])
+def test_a_plan_with_every_module_at_4_bits_is_uniform_w4_bitwise(method, a_bits):
+    model, idx = _lm()
+    cfg = PTQConfig(method=method, a_bits=a_bits, n_calib=4)
+    names = [n for n, _ in linear_layers(model)]
+    calib = idx if method == "gptq" else None
+    uniform = quantize_(copy.deepcopy(model), cfg, calib)
+    planned = quantize_(copy.deepcopy(model), PTQConfig(method=method, a_bits=a_bits, n_calib=4,
+                                                        plan=tuple((n, 4) for n in names)), calib)
+    a, b = uniform.state_dict(), planned.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(uniform(idx), planned(idx))
+    mixed = quantize_(copy.deepcopy(model), PTQConfig(method=method, a_bits=a_bits, n_calib=4,
+                                                      plan=((names[0], 8), (names[1], 16))), calib)
+    assert not torch.equal(mixed.state_dict()[names[0] + ".weight"], a[names[0] + ".weight"])
+    assert torch.equal(mixed.state_dict()[names[1] + ".weight"], model.state_dict()[names[1] + ".weight"])
+    first = mixed.get_submodule(names[0])
+    assert isinstance(first, QuantLinear) and first.scheme.startswith("w8a" + ("8" if a_bits == 4 else "16"))
+
+
+def test_a_plan_naming_a_module_not_in_the_model_is_an_error():
+    model, _ = _lm()
+    with pytest.raises(OptquantError, match="not a quantized linear"):
+        quantize_(model, PTQConfig(plan=(("blocks.9.attn.inner.q_proj", 8),)))
+    with pytest.raises(OptquantError, match="not 2..16"):
+        PTQConfig(format="mxfp4", plan=(("x", 8),))
+
+
+class _Parallel(nn.Module):
+    """Three linears on disjoint slices of the input, outputs concatenated: the squared error adds up exactly."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b, self.c = nn.Linear(4, 4, bias=False), nn.Linear(8, 8, bias=False), nn.Linear(12, 12, bias=False)
+        with torch.no_grad():
+            self.c.weight[:, 0] *= 20  # an outlier column: c is the sensitive one per weight
+
+    def forward(self, x):
+        return torch.cat([self.a(x[:, :4]), self.b(x[:, 4:12]), self.c(x[:, 12:])], dim=1)
+
+
+@pytest.mark.parametrize("avg", [4.0, 4.2, 4.6, 5.4, 6.0, 7.0, 8.0])
+def test_the_measured_oracle_on_a_three_module_toy_is_brute_force(avg):
+    toy, x = _Parallel(), torch.randn(64, 24, generator=torch.Generator().manual_seed(2))
+    y = toy(x)
+    params = {n: m.weight.numel() for n, m in linear_layers(toy)}
+
+    def damage(bits):
+        q = quantize_(copy.deepcopy(toy), PTQConfig(plan=tuple(bits.items())))
+        return (q(x) - y).double().square().sum().item()
+
+    plan = solve(params, measured_gains(params, (4, 8), damage), avg, (4, 8))
+    plans = [dict(zip(params, bs, strict=True)) for bs in itertools.product((4, 8), repeat=3)]
+    feasible = [p for p in plans if average_bits(p, params) <= Fraction(str(avg))]
+    assert damage(plan) == pytest.approx(min(damage(p) for p in feasible), rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def nano_run(tmp_path_factory, corpus):
+    from optquant.config import apply_overrides, run_preset
+    from optquant.runs import run_dir
+    from optquant.train import train
+
+    cfg = apply_overrides(run_preset("nano"), [
+        f"data.source={corpus}", "model.vocab_size=320", "model.seq_len=32", "train.batch_size=8", "train.steps=40",
+        "train.eval_every=20", "train.eval_batches=2", "train.precision=fp32", "model.arch=llama",
+        "model.n_kv_head=1"])
+    path = run_dir(tmp_path_factory.mktemp("bits-runs"), cfg)
+    train(cfg, path)
+    return path
+
+
+SENSITIVE = "blocks.1.attn.inner.v_proj"
+
+
+def test_the_decomposition_protects_a_sensitive_module_and_beats_uniform(nano_run):
+    """One module given an outlier input column (RTN per output channel then rounds all its other weights to 0):
+    the ABC plan at a budget of one small module at 8 bits picks it, and its loss is below uniform W4A4's."""
+    from optquant.evaluate import val_loss
+    from optquant.ptq_stage import AnalysisConfig, LoadedRun, _batches, model_bits
+
+    run = LoadedRun(nano_run, "final")
+    with torch.no_grad():
+        run.model.get_submodule(SENSITIVE).weight[:, 3] *= 40
+    params = {n: m.weight.numel() for n, m in linear_layers(run.model)}
+    avg = float(4 + Fraction(4 * params[SENSITIVE], sum(params.values())))
+    record = model_bits(run, PTQConfig(), AnalysisConfig(), avg, (4, 8))
+    plan = {m: v["bits"] for m, v in record["modules"].items()}
+    assert plan[SENSITIVE] == 8 and record["plan_avg_bits"] == pytest.approx(avg)
+    val = _batches(run.cfg, run.data.val, 4, 0)
+    fp = val_loss(run.model, val).loss
+    uniform = val_loss(quantize_(copy.deepcopy(run.model), PTQConfig()), val).loss - fp
+    planned = val_loss(quantize_(copy.deepcopy(run.model), PTQConfig(plan=tuple(plan.items()))), val).loss - fp
+    assert planned < uniform
+
+
+def test_the_cli_writes_a_plan_that_ptq_applies(nano_run, tmp_path, capsys):
+    from optquant.runs import RunDir
+
+    plan, recipe, snippet = tmp_path / "plan.json", tmp_path / "recipe.yaml", tmp_path / "ao.py"
+    assert main(["bits", str(nano_run), "--avg-bits", "4.5", "--plan-out", str(plan), "--recipe", str(recipe),
+                 "--torchao", str(snippet)]) == 0
+    record = json.loads(plan.read_text())
+    params = {m: v["params"] for m, v in record["modules"].items()}
+    bits = {m: v["bits"] for m, v in record["modules"].items()}
+    assert float(average_bits(bits, params)) == record["plan_avg_bits"] <= 4.5 and set(bits.values()) == {4, 8}
+    groups = json.loads(recipe.read_text())["quant_stage"]["quant_modifiers"]["QuantizationModifier"]["config_groups"]
+    assert sum(len(g["targets"]) for g in groups.values()) == len(bits)
+    assert groups["group_w8"]["input_activations"]["num_bits"] == 8  # W8A8 for the W4A4 scheme's 8-bit modules
+    compile(snippet.read_text(), "ao.py", "exec")
+    capsys.readouterr()
+    assert main(["ptq", str(nano_run), "--plan", str(plan), "--mc-items", "0"]) == 0
+    scheme = PTQConfig(plan=tuple(bits.items())).name
+    assert json.loads(RunDir(nano_run).ptq_file("final", scheme, "damage").read_text())["ptq"]["plan"]
+
+    bad = dict(record, modules={**record["modules"], "blocks.7.mlp.inner.up_proj": {"bits": 8, "params": 1}})
+    for case, args, needle in [
+        ("impossible", ["--avg-bits", "9"], "impossible"),
+        ("choices", ["--avg-bits", "4.5", "--choices", "4,5", "--format", "mxfp4"], "choices"),
+        ("choices", ["--avg-bits", "4.5", "--choices", "4,x"], "comma-separated"),
+    ]:
+        assert main(["bits", str(nano_run), *args, "--plan-out", str(tmp_path / f"{case}.json")]) == 2, case
+        one_line_error(capsys, needle)
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    assert main(["ptq", str(nano_run), "--plan", str(tmp_path / "bad.json"), "--mc-items", "0"]) == 2
+    one_line_error(capsys, "blocks.7.mlp.inner.up_proj", "not a quantized linear")
+    (tmp_path / "bits.json").write_text(json.dumps(dict(record, modules={m: {"bits": 6} for m in bits})))
+    assert main(["ptq", str(nano_run), "--plan", str(tmp_path / "bits.json"), "--mc-items", "0"]) == 2
+    one_line_error(capsys, "bits 6", "choices")
+
+
+def test_the_exports_name_the_hf_modules():
+    bits = {"blocks.0.attn.inner.q_proj": 8, "blocks.0.mlp.inner.down_proj": 4, "blocks.1.mlp.inner.up_proj": 16}
+    names = hf_names(bits)
+    assert names["blocks.0.attn.inner.q_proj"] == "model.layers.0.self_attn.q_proj"
+    assert names["blocks.0.mlp.inner.down_proj"] == "model.layers.0.mlp.down_proj"
+    recipe = llmcompressor_recipe(bits, {"method": "gptq", "a_bits": 16}, names)
+    groups = recipe["quant_stage"]["quant_modifiers"]["GPTQModifier"]["config_groups"]
+    assert groups["group_w8"]["targets"] == ["re:^model[.]layers[.]0[.]self_attn[.]q_proj$"]
+    assert groups["group_w4"]["input_activations"] is None and set(groups) == {"group_w4", "group_w8"}
+    assert "model.layers.1.mlp.up_proj" not in torchao_snippet(bits, names)  # 16 bits: left in FP
+
+
+def roundtrip_with_llmcompressor(run, tmp_path) -> None:
+    """The plan's recipe applied by llm-compressor (`oneshot`, RTN weight-only on the full [-8, 7] grid it uses) to
+    the run's HF export: the modules it quantizes and their bits are the plan's, and the logits, hence the loss,
+    agree with optquant's model quantized by the plan."""
+    import transformers
+    from llmcompressor import oneshot
+
+    from optquant.evaluate import val_loss
+    from optquant.model import lm_loss
+    from optquant.ptq_stage import LoadedRun, _batches
+
+    plan, recipe, hf = tmp_path / "plan.json", tmp_path / "recipe.yaml", tmp_path / "hf"
+    assert main(["bits", str(run), "--avg-bits", "5", "--a-bits", "16", "--grid", "full", "--plan-out", str(plan),
+                 "--recipe", str(recipe)]) == 0
+    assert main(["export", str(run), "--hf", str(hf)]) == 0
+    bits = {m: v["bits"] for m, v in json.loads(plan.read_text())["modules"].items()}
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, local_files_only=True)
+    oneshot(model=model, recipe=str(recipe))
+    names = hf_names(bits)
+    got = {n: m.quantization_scheme.weights.num_bits for n, m in model.named_modules()
+           if getattr(m, "quantization_scheme", None) is not None}
+    assert got == {names[m]: b for m, b in bits.items()}
+    ours = LoadedRun(run, "final")
+    val = _batches(ours.cfg, ours.data.val, 2, 0)
+    fp = val_loss(ours.model, val).loss
+    q = quantize_(ours.model, PTQConfig(a_bits=16, grid="full", plan=tuple(bits.items())))
+    with torch.no_grad():
+        theirs = sum(lm_loss(lambda x: model(x).logits, x, y).item() for x, y in val) / len(val)
+    assert theirs == pytest.approx(val_loss(q, val).loss, abs=1e-5) and abs(theirs - fp) > 1e-3, (theirs, fp)
+    print(f"llm-compressor: loss {theirs:.6f}; optquant, the plan: {val_loss(q, val).loss:.6f}; FP {fp:.6f}")
+
+
+def test_the_recipe_round_trips_through_llmcompressor(nano_run, tmp_path):
+    pytest.importorskip("llmcompressor")
+    roundtrip_with_llmcompressor(nano_run, tmp_path)
