@@ -288,6 +288,20 @@ def test_robustness_table_pairs_units_and_states_the_verdict(tmp_path):
     assert fig_pareto(_robust_frame(0.6, 0.0), "w4a4-rtn", tmp_path).src == "figures/robust_pareto.png"
 
 
+def test_ranking_table_ranks_the_optimizers_under_each_method_with_ties():
+    from optquant.report.robust import ranking_table
+
+    adamw = _robust_frame(cut=1.0, fp_cost=0.0)  # the arm leaves adamw's damage as it is
+    muon = _robust_frame(cut=0.25, fp_cost=0.0).assign(optimizer="muon")
+    muon.loc[muon["metric"] == "delta_val_loss", "value"] *= 2  # plain muon: twice adamw's damage, arm: half
+    table = ranking_table(pd.concat([adamw, muon]), "w4a4-rtn")
+    assert table.columns == ("method", "adamw", "muon", "vs none")
+    assert table.rows == (("none", "1", "2", "–"), ("penalty:1", "2", "1", "changed"))
+    few = pd.concat([adamw, muon])
+    few = few[few["seed"] < 2]  # 4 units: smallest p 1/8 > α, every rank tied
+    assert ranking_table(few, "w4a4-rtn").rows == (("none", "1=", "1=", "–"), ("penalty:1", "1=", "1=", "same"))
+
+
 def test_method_none_keeps_mains_run_ids():
     """Run ids computed with main's code before ema/lawa and the model's norm/embed_proj options existed."""
     from optquant.config import run_id, run_preset
