@@ -288,6 +288,17 @@ def test_robustness_table_pairs_units_and_states_the_verdict(tmp_path):
     assert fig_pareto(_robust_frame(0.6, 0.0), "w4a4-rtn", tmp_path).src == "figures/robust_pareto.png"
 
 
+def test_seeds_needed_is_the_normal_power_calculation():
+    from scipy.stats import norm
+
+    from optquant.report.robust import seeds_needed
+
+    z = norm.ppf(1 - 0.05 / 36) + norm.ppf(0.8)  # 18 cells: Holm's strictest level 0.05/18, two-sided
+    assert seeds_needed(0.02, 0.05, 18) == math.ceil((z * 0.02 / 0.015) ** 2) == 27
+    assert seeds_needed(1e-4, 0.05, 18) == 10  # a tiny spread: the sign-flip floor 2/2ⁿ < 0.05/18 needs n = 10
+    assert seeds_needed(0.02, 0.05, 18, cut=0.6) < 27 and seeds_needed(math.nan, 0.05, 18) == 0
+
+
 def test_ranking_table_ranks_the_optimizers_under_each_method_with_ties():
     from optquant.report.robust import ranking_table
 
