@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from optquant.model import LM, MODEL_PRESETS, ModelConfig, count_params, lm_loss, model_config
 
@@ -94,3 +95,57 @@ def test_bad_model_config():
         LM(ModelConfig(d_model=100, n_head=3))
     with pytest.raises(ValueError, match="unknown model preset"):
         model_config("huge")
+
+
+def test_single_scale_rmsnorm_is_osps_ssnorm():
+    """OSP's SSNorm (Flax nn.RMSNorm(feature_axes=())): y = g·x/√(mean x² + ε) with one scalar g."""
+    from optquant.model import SingleScaleRMSNorm
+
+    norm = SingleScaleRMSNorm()
+    x = torch.tensor([[3.0, -4.0], [1.0, 1.0]], dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.fill_(2.5)
+    eps = torch.finfo(torch.float64).eps
+    expected = 2.5 * x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps)  # rows: 2.5·(3,−4)/√12.5, 2.5·(1, 1)
+    torch.testing.assert_close(norm(x), expected, rtol=1e-15, atol=0)
+    assert norm.weight.shape == () and [p.numel() for p in norm.parameters()] == [1]
+    lm = LM(model_config("nano", vocab_size=64, d_model=16, seq_len=8, norm="single"))
+    norms = [m for m in lm.modules() if isinstance(m, torch.nn.RMSNorm | SingleScaleRMSNorm)]
+    assert len(norms) == 2 * 2 + 1 and all(isinstance(m, SingleScaleRMSNorm) for m in norms)
+
+
+def test_embedding_projection_is_osps_embproj():
+    """OSP's EmbProj: x = P_in·e(idx) into the blocks, logits = W·P_out·norm(h), P orthogonal at init."""
+    from optquant.optim.groups import split_params
+
+    torch.manual_seed(0)
+    lm = LM(model_config("nano", vocab_size=64, d_model=16, seq_len=8, embed_proj=True)).double()
+    P_in, P_out = lm.embed.proj.weight, lm.norm[1].weight
+    eye = torch.eye(16, dtype=torch.float64)
+    torch.testing.assert_close(P_in @ P_in.T, eye, rtol=0, atol=1e-6)  # orthogonal in fp32
+    torch.testing.assert_close(P_out.T @ P_out, eye, rtol=0, atol=1e-6)
+    idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    h = lm.embed.weight[idx] @ P_in.T  # the closed form, by hand
+    torch.testing.assert_close(lm.embed(idx), h, rtol=1e-14, atol=0)
+    for block in lm.blocks:
+        h = block(h)
+    logits = F.rms_norm(h, (16,), lm.norm[0].weight, None) @ P_out.T @ lm.embed.weight.T  # tied head
+    torch.testing.assert_close(lm(idx), logits, rtol=1e-12, atol=1e-12)
+    groups = split_params(lm)
+    assert any(p is P_in for p in groups.matrices) and any(p is P_out for p in groups.matrices)
+    assert [p for p in groups.embeddings] == [lm.embed.weight]
+    from optquant.quant.layers import linear_layers
+
+    assert not any(m is lm.embed.proj for _, m in linear_layers(lm))  # left in FP by PTQ
+
+
+def test_osp_options_train_and_change_the_run_id(nano_cfg, tmp_path):
+    from optquant.config import apply_overrides, config_hash
+    from optquant.train import train
+
+    osp = apply_overrides(nano_cfg, ["optim.name=muon", "model.norm=single", "model.embed_proj=true",
+                                     "train.steps=10"])
+    assert config_hash(osp) != config_hash(apply_overrides(osp, ["model.norm=rms", "model.embed_proj=false"]))
+    assert math.isfinite(train(osp, tmp_path / "osp")["final_val_loss"])
+    with pytest.raises(Exception, match="model.norm"):
+        apply_overrides(nano_cfg, ["model.norm=layer"])

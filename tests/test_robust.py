@@ -239,16 +239,19 @@ def test_late_qat_is_a_plain_run_resumed_with_quest_on_at_the_switch(nano_cfg, t
     assert whole["final_val_loss"] == qat["final_val_loss"]
 
 
-@pytest.mark.parametrize("method", ["penalty:0.5", "gain:2", "late-qat:0.3"])
+@pytest.mark.parametrize("method", ["penalty:0.5", "gain:2", "late-qat:0.3", "ema:0.9", "lawa:2"])
 def test_robust_runs_resume_bitwise(nano_cfg, tmp_path, method):
     name, strength = method.split(":")
-    cfg = apply_overrides(nano_cfg, [f"robust.method={name}", f"robust.strength={strength}", "robust.every=3"])
+    every = "1" if name == "lawa" else "3"
+    cfg = apply_overrides(nano_cfg, [f"robust.method={name}", f"robust.strength={strength}", f"robust.every={every}"])
     straight = train(cfg, tmp_path / "straight")
     with pytest.raises(Interrupt):
         train(cfg, tmp_path / "killed", on_step=_kill_at(35))  # late-qat: switched at 28, checkpoint at 30
     resumed = train(cfg, tmp_path / "killed")
     assert resumed["final_val_loss"] == straight["final_val_loss"] and resumed["robust"] == method
     assert read_metrics(tmp_path / "killed") == read_metrics(tmp_path / "straight")
+    a, b = _weights(tmp_path / "killed"), _weights(tmp_path / "straight")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _robust_frame(cut: float, fp_cost: float, seeds=range(5)) -> pd.DataFrame:
@@ -283,3 +286,140 @@ def test_robustness_table_pairs_units_and_states_the_verdict(tmp_path):
     _, cells = robustness_table(_robust_frame(cut=1.0, fp_cost=0.0), "w4a4-rtn")  # no effect at all
     assert cells[0]["test"].p == 1.0 and "no optimizer" in verdict(cells)
     assert fig_pareto(_robust_frame(0.6, 0.0), "w4a4-rtn", tmp_path).src == "figures/robust_pareto.png"
+
+
+def test_seeds_needed_is_the_normal_power_calculation():
+    from scipy.stats import norm
+
+    from optquant.report.robust import seeds_needed
+
+    z = norm.ppf(1 - 0.05 / 36) + norm.ppf(0.8)  # 18 cells: Holm's strictest level 0.05/18, two-sided
+    assert seeds_needed(0.02, 0.05, 18) == math.ceil((z * 0.02 / 0.015) ** 2) == 27
+    assert seeds_needed(1e-4, 0.05, 18) == 10  # a tiny spread: the sign-flip floor 2/2ⁿ < 0.05/18 needs n = 10
+    assert seeds_needed(0.02, 0.05, 18, cut=0.6) < 27 and seeds_needed(math.nan, 0.05, 18) == 0
+
+
+def test_ranking_table_ranks_the_optimizers_under_each_method_with_ties():
+    from optquant.report.robust import ranking_table
+
+    adamw = _robust_frame(cut=1.0, fp_cost=0.0)  # the arm leaves adamw's damage as it is
+    muon = _robust_frame(cut=0.25, fp_cost=0.0).assign(optimizer="muon")
+    muon.loc[muon["metric"] == "delta_val_loss", "value"] *= 2  # plain muon: twice adamw's damage, arm: half
+    table = ranking_table(pd.concat([adamw, muon]), "w4a4-rtn")
+    assert table.columns == ("method", "adamw", "muon", "vs none")
+    assert table.rows == (("none", "1", "2", "–"), ("penalty:1", "2", "1", "changed"))
+    few = pd.concat([adamw, muon])
+    few = few[few["seed"] < 2]  # 4 units: smallest p 1/8 > α, every rank tied
+    assert ranking_table(few, "w4a4-rtn").rows == (("none", "1=", "1=", "–"), ("penalty:1", "1=", "1=", "same"))
+
+
+def test_method_none_keeps_mains_run_ids():
+    """Run ids computed with main's code before ema/lawa and the model's norm/embed_proj options existed."""
+    from optquant.config import run_id, run_preset
+
+    pico = apply_overrides(run_preset("pico"), ["optim.name=muon", "model.arch=llama", "robust.method=none"])
+    assert [run_id(run_preset("nano")), run_id(run_preset("pico")), run_id(pico)] == [
+        "nano-adamw-2389642725", "pico-adamw-49fa10e698", "pico-muon-3c906fcf6e"]
+
+
+def _average(method: str, value: float, every: int = 1, eval_every: int = 1, steps: int = 100):
+    from optquant.quant.averaging import WeightAverage
+
+    lin = torch.nn.Linear(3, 2).double()
+    return lin, WeightAverage(lin, method, value, every, eval_every, steps)
+
+
+def test_ema_is_the_closed_form_recursion():
+    lin, avg = _average("ema", 0.7, every=2)
+    gen, beta, e = torch.Generator().manual_seed(0), 0.7, None
+    assert avg.averaged() is None  # before the first update: nothing to average
+    for step in range(9):
+        w = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+        lin.weight.data.copy_(w)
+        if avg.due(step):  # after steps 2, 4, 6, 8 (done counts)
+            avg.update()
+            e = w.clone() if e is None else beta * e + (1 - beta) * w
+    assert [avg.due(s) for s in range(4)] == [False, True, False, True]
+    torch.testing.assert_close(avg.averaged()[0], e, rtol=1e-12, atol=1e-12)
+    with avg.swapped():
+        torch.testing.assert_close(lin.weight.data, e, rtol=1e-12, atol=1e-12)
+    assert torch.equal(lin.weight.data, w)  # the raw weights are back, bitwise
+
+
+def test_lawa_is_the_equal_average_of_the_last_k_kept_checkpoints():
+    lin, avg = _average("lawa", 3, eval_every=5, steps=23)
+    gen, kept = torch.Generator().manual_seed(0), []
+    for step in range(23):
+        w = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+        lin.weight.data.copy_(w)
+        if avg.due(step):
+            avg.update()
+            kept.append((step + 1, w.clone()))
+    assert [s for s, _ in kept] == [5, 10, 15, 20, 23]  # every eval_every steps and the last one
+    torch.testing.assert_close(avg.averaged()[0], torch.stack([w for _, w in kept[-3:]]).mean(0))
+    state = avg.state()
+    _, again = _average("lawa", 3, eval_every=5, steps=23)
+    again.load(state)
+    assert all(torch.equal(a, b) for a, b in zip(again.averaged(), avg.averaged(), strict=True))
+
+
+def test_averaged_runs_save_and_evaluate_the_average(nano_cfg, tmp_path):
+    from optquant.checkpoint import load_checkpoint
+    from optquant.runs import RunDir
+
+    cfg = apply_overrides(nano_cfg, ["train.keep_history=true"])
+    plain = train(cfg, tmp_path / "plain")
+    for method in ("ema:0", "lawa:1"):  # β = 0, k = 1: the average is the raw model, bitwise
+        name, value = method.split(":")
+        same = train(apply_overrides(cfg, [f"robust.method={name}", f"robust.strength={value}"]), tmp_path / name)
+        assert same["final_val_loss"] == plain["final_val_loss"] and same["robust"] == method
+        a, b = _weights(tmp_path / "plain"), _weights(tmp_path / name)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    lawa = train(apply_overrides(cfg, ["robust.method=lawa", "robust.strength=2"]), tmp_path / "lawa2")
+    raw = []
+    for step in (30, 40):  # the kept checkpoints hold the raw weights
+        model = LM(cfg.model)
+        load_checkpoint(RunDir(tmp_path / "lawa2").history_checkpoint(step), model)
+        raw.append(dict(model.named_parameters()))
+    final = _weights(tmp_path / "lawa2")
+    for k, v in final.items():
+        torch.testing.assert_close(v, (raw[0][k] + raw[1][k]) / 2, rtol=0, atol=0)
+    assert lawa["final_val_loss"] != plain["final_val_loss"]
+    first = read_metrics(tmp_path / "lawa2")[0]["val_loss"]  # one checkpoint kept at step 10: the raw model
+    assert first == read_metrics(tmp_path / "plain")[0]["val_loss"]
+
+
+def test_damage_at_the_end_of_the_stable_phase_is_a_run_stopped_there(nano_cfg, tmp_path):
+    """A WSD run's kept checkpoint at steps − decay (40 − 10) is bitwise a no-decay run stopped at that step
+    (the schedule up to the decay does not depend on its length), so is its W4A4 RTN damage; `decay:0` in
+    the robust arm is that no-decay run for the whole budget."""
+    from optquant.checkpoint import load_checkpoint
+    from optquant.config import validate
+    from optquant.model import lm_loss
+    from optquant.quant.ptq import quantized_copy
+    from optquant.quant.robust_config import entry_overrides
+    from optquant.runs import RunDir
+    from optquant.train import lr_multiplier
+
+    wsd = apply_overrides(nano_cfg, ["train.decay_frac=0.25", "train.keep_history=true"])
+    flat = apply_overrides(nano_cfg, list(entry_overrides("decay:0")))
+    assert flat.train.decay_frac == 0 and validate(flat) is flat
+    lrs = [[lr_multiplier(s, 40, c.train) for s in range(40)] for c in (wsd, flat)]
+    assert lrs[0][:31] == lrs[1][:31] and lrs[0][31] < 1 == lrs[1][39]  # the decay's first step below 1: 31
+    train(wsd, tmp_path / "wsd")
+    with pytest.raises(Interrupt):
+        train(flat, tmp_path / "stopped", on_step=_kill_at(31))  # its checkpoint: step 30
+    damage = []
+    x = torch.randint(0, 320, (4, 32), generator=torch.Generator().manual_seed(3))
+    inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    for path in (RunDir(tmp_path / "wsd").history_checkpoint(30), RunDir(tmp_path / "stopped").checkpoint):
+        model = LM(nano_cfg.model)
+        assert load_checkpoint(path, model)["loop"]["step"] == 30
+        with torch.no_grad():
+            damage.append(float(lm_loss(quantized_copy(model, PTQConfig()), inp, tgt) - lm_loss(model, inp, tgt)))
+        if len(damage) == 1:
+            stable = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(torch.equal(stable[k], v) for k, v in model.state_dict().items())
+    assert damage[0] == damage[1] and damage[0] != 0
+    with pytest.raises(OptquantError, match="decay:FRACTION"):
+        entry_overrides("decay")

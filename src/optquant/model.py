@@ -14,6 +14,18 @@ without QK-norm, optionally untied head.
 The network is a chain of residual sublayers (`model.sublayers()`): each maps the residual stream to
 the residual stream, including its own norm and residual add. The ABC analysis walks this chain.
 Left out on purpose: dropout, biases, z-loss, μP (the paper uses none of them).
+
+Options from Outlier-Safe Pre-Training (OSP; Park et al. 2025, arXiv 2506.19697, code
+dmis-lab/Outlier-Safe-Pre-Training, example_modeling_flax.py), both off by default (so every run id stays):
+- `norm="single"`: SSNorm, every RMSNorm (the sublayers' and the final one) with one learnable scalar gain
+  g (init 1) instead of a per-channel one, y = g · x/√(mean x² + ε), as their Flax nn.RMSNorm(feature_axes=()).
+  The OLMo2 QK-norm (L2 with a per-head scale) is not an RMSNorm and stays.
+- `embed_proj=True`: EmbProj, two learned D×D projections, orthogonally initialised: x = P_in e(idx) after
+  the embedding, logits = head(P_out · norm(x)) before the head (their rot1, rot2). They sit inside
+  `embed` and `norm`, so every walk of the chain sees them; they are not nn.Linear, so PTQ leaves them in
+  FP, as the merged inference model (P_in folded into the embedding, P_out into the head) has no such
+  layer; in the optimizer groups they are matrices (Muon's, as OSP trains them). Their Flax layers carry
+  a bias (DenseGeneral's default); ours are bias-free, as the rest of this model.
 """
 
 from __future__ import annotations
@@ -40,6 +52,8 @@ class ModelConfig:
     rope_base: float = 1024.0
     tie_embeddings: bool = True
     init_std: float = 0.02
+    norm: Literal["rms", "single"] = "rms"  # "single": OSP's single-scale RMSNorm (module docstring)
+    embed_proj: bool = False  # OSP's learned embedding projections (module docstring)
 
     @property
     def head_dim(self) -> int:
@@ -61,6 +75,48 @@ class ModelConfig:
             raise ValueError(f"head width {self.head_dim} must be even for RoPE")
         if self.arch not in ("olmo2", "llama"):
             raise ValueError(f"model.arch must be 'olmo2' or 'llama', got {self.arch!r}")
+        if self.norm not in ("rms", "single"):
+            raise ValueError(f"model.norm must be 'rms' or 'single', got {self.norm!r}")
+
+
+class SingleScaleRMSNorm(nn.Module):
+    """OSP's SSNorm: y = g · x/√(mean x² + ε) over the last dimension, one learnable scalar g (init 1);
+    ε as nn.RMSNorm's default (the dtype's machine epsilon)."""
+
+    def __init__(self, eps: float | None = None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, x.shape[-1:], eps=self.eps) * self.weight
+
+
+class Projection(nn.Module):
+    """OSP's EmbProj half: x ↦ P x, P a learned D×D matrix, orthogonal at init (not an nn.Linear: PTQ
+    leaves it in FP, as merged into the embedding or head)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(nn.init.orthogonal_(torch.empty(d, d)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+class ProjectedEmbedding(nn.Embedding):
+    """The embedding followed by EmbProj's input projection (its weight is still the table, for tying)."""
+
+    def __init__(self, vocab: int, d: int):
+        super().__init__(vocab, d)
+        self.proj = Projection(d)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.proj(super().forward(idx))
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    return SingleScaleRMSNorm() if cfg.norm == "single" else nn.RMSNorm(cfg.d_model)  # torch default eps
 
 
 # Size presets. Widths are multiples of 128 for the paper sizes, so every linear input dimension
@@ -168,7 +224,7 @@ class Residual(nn.Module):
     def __init__(self, inner: nn.Module, cfg: ModelConfig):
         super().__init__()
         self.inner = inner
-        self.norm = nn.RMSNorm(cfg.d_model)  # torch default eps, as the authors
+        self.norm = make_norm(cfg)  # torch default eps, as the authors
         self.post_norm = cfg.arch == "olmo2"
 
     def forward(self, x: Tensor) -> Tensor:
@@ -194,9 +250,12 @@ class LM(nn.Module):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed = ProjectedEmbedding(cfg.vocab_size, cfg.d_model) if cfg.embed_proj else \
+            nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = nn.RMSNorm(cfg.d_model)  # torch default eps, as the authors
+        self.norm = make_norm(cfg)  # torch default eps, as the authors
+        if cfg.embed_proj:  # P_out between the final norm and the head
+            self.norm = nn.Sequential(self.norm, Projection(cfg.d_model))
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
         if cfg.tie_embeddings:

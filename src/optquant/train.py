@@ -10,7 +10,8 @@ evaluation (`keep_history`); a Common Loss checkpoint (the first evaluation at o
 crossing is found to the step); and divergence recorded (status, step, reason) rather than a crash: a
 NaN/inf loss, or a loss above `train.diverge_factor` × ln(vocab_size), the loss of a uniform guess.
 `robust.method` (quant/robust.py) adds a quantization-robust method through three calls: before the
-step, in the loss, after the optimizer step; "none" leaves the loop as it was.
+step, in the loss, after the optimizer step; a weight average (ema, lawa) is what evaluations and the saved
+weights see, its state in the checkpoint beside the raw weights; "none" leaves the loop as it was.
 Distributed data parallel is used when launched under torchrun (WORLD_SIZE > 1).
 """
 
@@ -197,7 +198,7 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
     if cfg.robust.method != "none":
         from optquant.quant.robust import Robust
 
-        robust = Robust(cfg.robust, model, steps, ctx.world_size)
+        robust = Robust(cfg.robust, model, steps, ctx.world_size, tc.eval_every)
     return _Loop(cfg, run_dir, ctx, model, ddp_model, run_model, eval_model, optimizers, data.train, val, gen,
                  tracker, steps, use_bf16(tc.precision, ctx.device),
                  tc.diverge_factor * math.log(cfg.model.vocab_size), RunDir(run_dir).checkpoint, robust)
@@ -225,6 +226,8 @@ def _resume(r: _Loop) -> dict[str, Any]:
         raise OptquantError(f"{ckpt} was written by {len(rngs)} process(es); resume it with as many "
                             f"(torchrun --nproc_per_node={len(rngs)})")
     set_rng_state(rngs[r.ctx.rank], r.gen)
+    if r.robust is not None:
+        r.robust.load(saved.get("robust"))
     log.info("resumed %s at step %d", ckpt.parent.name, saved["loop"]["step"])
     return saved["loop"]
 
@@ -266,7 +269,8 @@ def _evaluate_and_checkpoint(r: _Loop, state: dict, loss: float, mult: float) ->
     the Common-Loss model at the first evaluation at or below the threshold; the resumable checkpoint at
     regular evaluations. Returns why the run diverged, else None."""
     cfg, ctx, step = r.cfg, r.ctx, state["step"]
-    val = ctx.mean(validation_loss(r.eval_model, r.val))
+    with _averaged(r):
+        val = ctx.mean(validation_loss(r.eval_model, r.val))
     if (reason := divergence("val loss", val, r.bound)) is not None:
         return reason
     state["best_val"] = min(state["best_val"], val)
@@ -279,8 +283,9 @@ def _evaluate_and_checkpoint(r: _Loop, state: dict, loss: float, mult: float) ->
     if ctx.rank == 0:
         r.tracker.record("eval", step, _eval_record(r.run_dir, cfg, state, loss, mult, val))
         if crossed:
-            save_weights(RunDir(r.run_dir).weights("cl"), r.model, {
-                "step": str(step), "val_loss": repr(val), "threshold": repr(threshold)})
+            with _averaged(r):
+                save_weights(RunDir(r.run_dir).weights("cl"), r.model, {
+                    "step": str(step), "val_loss": repr(val), "threshold": repr(threshold)})
     if _regular(cfg.train, state, r.steps):
         _checkpoint(r, state, rngs, keep=cfg.train.keep_history)
     return None
@@ -290,8 +295,9 @@ def _checkpoint(r: _Loop, state: dict, rngs: list, keep: bool) -> None:
     """Rank 0 writes the resumable checkpoint (and, with `keep`, keeps this step's copy in history/)."""
     if r.ctx.rank != 0:
         return
+    extra = {} if r.robust is None or (avg := r.robust.state()) is None else {"robust": avg}
     save_checkpoint(r.ckpt, r.model, {"optimizers": [o.state_dict() for o in r.optimizers],
-                                      "optimizer": r.cfg.optim.name, "rng": rngs, "loop": state})
+                                      "optimizer": r.cfg.optim.name, "rng": rngs, "loop": state, **extra})
     if keep:
         _keep(r.ckpt, r.run_dir, state["step"])
 
@@ -302,13 +308,19 @@ def _finish(r: _Loop, state: dict, ended: tuple[int, str] | None) -> dict[str, A
     summary = _summarise(r, state, ended)
     if r.ctx.rank == 0:
         if ended is None:
-            save_weights(RunDir(r.run_dir).weights("final"), r.model)
+            with _averaged(r):
+                save_weights(RunDir(r.run_dir).weights("final"), r.model)
         _add_qat_degradation(summary, r.cfg, r.run_dir)
         atomic_write_json(RunDir(r.run_dir).summary, summary)
         r.ckpt.unlink(missing_ok=True)
     r.tracker.record("summary", state["step"], summary)
     r.tracker.close()
     return summary
+
+
+def _averaged(r: _Loop):
+    """The model holds the weights the run evaluates and saves inside (a weight average's, else its own)."""
+    return nullcontext() if r.robust is None else r.robust.averaged()
 
 
 def _summarise(r: _Loop, state: dict, ended: tuple[int, str] | None) -> dict[str, Any]:

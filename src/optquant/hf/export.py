@@ -125,6 +125,9 @@ def export_hf(run_dir: Path, out: Path, weights: Weights = "final", force: bool 
                             "runs export")
     if cfg.qat is not None:
         raise OptquantError(f"{run_dir}: a QAT run's quantizers have no Hugging Face equivalent; export FP runs")
+    if cfg.model.norm != "rms" or cfg.model.embed_proj:
+        raise OptquantError(f"{run_dir}: OSP's model.norm=single / model.embed_proj are not exported (no merge "
+                            "into LlamaForCausalLM's weights is written)")
     data = run_tokens(run_dir, cfg)
     hf = transformers.LlamaForCausalLM(llama_config(model, data.eot_id))
     missing, unexpected = hf.load_state_dict(llama_state_dict(model), strict=False)

@@ -2,7 +2,8 @@
 
 - embeddings: the input embedding (= tied LM head) and an untied LM head, if any;
 - vectors: every parameter with ndim != 2 (RMSNorm gains, the (1, H, 1, 1) QK scales);
-- matrices: every other 2-D parameter, i.e. the hidden q/k/v/o and MLP weights inside the blocks.
+- matrices: every other 2-D parameter, i.e. the hidden q/k/v/o and MLP weights inside the blocks (and
+  OSP's embedding projections, model.embed_proj, which OSP trains with Muon).
 
 Also the two steps every `Optimizer.step` written here begins with: the closure's loss, and a group's
 parameters that have a gradient.
@@ -36,7 +37,7 @@ def split_params(model: nn.Module) -> ParamGroups:
             continue
         if p.ndim != 2:  # first: a QAT head's LSQ step sizes are vectors, not embeddings
             vectors.append(p)
-        elif name.startswith(("embed.", "lm_head.")):
+        elif name in ("embed.weight", "lm_head.weight"):  # not embed.proj.weight (model.embed_proj): a matrix
             embeddings.append(p)
         else:
             matrices.append(p)

@@ -37,8 +37,10 @@ swaps the layers in place, keeping their Parameters, so the optimizers and their
 (Liu et al. 2025, arXiv 2502.02631) finds most of the budget in FP and the last ~10 % in QAT close to
 best. Evaluations after s measure the quantized model, as a QAT run's do. Cost: a QuEST step from s on.
 
-Nothing here keeps state across steps: each decision follows from the step number and the weights, so a
-checkpoint needs nothing new and a resumed run is bitwise the straight one. Left out on purpose: the
+ema and lawa (averaging.py): the run evaluates and saves an average of its weights; the average is the
+only state a method keeps across steps, checkpointed beside the raw weights (`state`/`load`). The other
+methods' decisions follow from the step number and the weights, so their checkpoints need nothing new.
+A resumed run is bitwise the straight one with every method. Left out on purpose: the
 penalty's Σ_ℓ A_ℓ variant (four evaluations per module instead of two forwards); penalty and gain under
 torchrun (the penalty's forwards bypass DDP, the gain's Grams would need an all-reduce), and late QAT under
 torch.compile or torchrun (it should work, as the Parameters stay, but no test runs it); combining methods.
@@ -46,6 +48,7 @@ torch.compile or torchrun (it should work, as the Parameters stay, but no test r
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator
@@ -195,7 +198,7 @@ class Robust:
     """What the training loop calls for a RobustConfig (method ≠ none): `begin(step)` before a step's
     forward passes, `loss(...)` per micro-batch, `end(step)` after the optimizer step."""
 
-    def __init__(self, cfg: RobustConfig, model: nn.Module, steps: int, world_size: int = 1):
+    def __init__(self, cfg: RobustConfig, model: nn.Module, steps: int, world_size: int = 1, eval_every: int = 1):
         if cfg.method in ("penalty", "gain") and world_size > 1:
             raise OptquantError(f"robust.method={cfg.method} runs in one process only (not under torchrun)")
         self.cfg, self.model, self.value = cfg, model, cfg.value
@@ -203,6 +206,11 @@ class Robust:
         layers = [m for _, m in linear_layers(model, skip=("lm_head",)) if type(m) is nn.Linear]
         self.grams = InputGrams(layers) if cfg.method == "gain" else None
         self.label = f"{cfg.method}:{cfg.value:g}"
+        self.average = None
+        if cfg.method in ("ema", "lawa"):
+            from optquant.quant.averaging import WeightAverage
+
+            self.average = WeightAverage(model, cfg.method, cfg.value, cfg.every, eval_every, steps)
 
     def active(self, step: int) -> bool:
         return step % self.cfg.every == 0
@@ -220,7 +228,23 @@ class Robust:
         ce, rl = penalty_terms(self.model, x, y, self.cfg.bits)  # the model itself: not compiled, no DDP
         return ce + self.value * rl, ce
 
+    def averaged(self):
+        """A context in which the model holds the weights the run evaluates and saves (the average, if any)."""
+        return self.average.swapped() if self.average is not None else contextlib.nullcontext()
+
+    def state(self) -> dict | None:
+        return None if self.average is None else self.average.state()
+
+    def load(self, state: dict | None) -> None:
+        if self.average is not None:
+            if not isinstance(state, dict):
+                raise OptquantError(f"the checkpoint holds no robust.method={self.cfg.method} average; delete it "
+                                    "to train this run from scratch")
+            self.average.load(state)
+
     def end(self, step: int) -> None:
+        if self.average is not None and self.average.due(step):
+            self.average.update()
         if self.grams is not None and self.active(step):
             for lin, C in self.grams.stop().items():
                 cap_gain_(lin.weight, C, self.value)

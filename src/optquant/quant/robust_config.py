@@ -12,9 +12,10 @@ from typing import Literal
 
 from optquant.errors import OptquantError
 
-ROBUST_METHODS: tuple[str, ...] = ("none", "penalty", "gain", "late-qat")
-# `strength` when it is left unset: penalty λ, gain target τ, late-QAT fraction of the steps
-DEFAULT_STRENGTH = {"penalty": 0.1, "gain": 4.0, "late-qat": 0.2}
+ROBUST_METHODS: tuple[str, ...] = ("none", "penalty", "gain", "late-qat", "ema", "lawa")
+# `strength` when it is left unset: penalty λ, gain target τ, late-QAT fraction of the steps, EMA decay β
+# (a window of ~50 steps: the study's runs are a few hundred steps long), LAWA's k checkpoints
+DEFAULT_STRENGTH = {"penalty": 0.1, "gain": 4.0, "late-qat": 0.2, "ema": 0.98, "lawa": 5.0}
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,13 @@ class RobustConfig:
     gain      cap each linear's worst-case error gain ‖W‖₂²‖H‖²/‖WH‖² at τ after the optimizer step;
               strength = τ ≥ 1 (lower = stronger)
     late-qat  QuEST W{bits}A{bits} for the last fraction of the steps; strength = that fraction in (0, 1]
+    ema       evaluate and save an EMA of the weights (averaging.py), updated every `every`-th step;
+              strength = the decay β in [0, 1)
+    lawa      evaluate and save the equal average of the last k kept checkpoints (every train.eval_every
+              steps; `every` must stay 1); strength = k, a whole number ≥ 1
     """
 
-    method: Literal["none", "penalty", "gain", "late-qat"] = "none"
+    method: Literal["none", "penalty", "gain", "late-qat", "ema", "lawa"] = "none"
     strength: float | None = None  # None = DEFAULT_STRENGTH[method]
     every: int = 1  # penalty / gain: on every k-th optimizer step (steps 0, k, 2k, ...)
     bits: int = 4  # the quantizer's weight and activation bits (W4A4 as the study's PTQ and QAT)
@@ -45,16 +50,28 @@ class RobustConfig:
             raise OptquantError(f"robust.strength={v}: the gain target τ must be >= 1 (the flattest spectrum)")
         if self.method == "late-qat" and not 0 < v <= 1:
             raise OptquantError(f"robust.strength={v}: late QAT's fraction of the steps must be in (0, 1]")
+        if self.method == "ema" and not 0 <= v < 1:
+            raise OptquantError(f"robust.strength={v}: the EMA's decay β must be in [0, 1)")
+        if self.method == "lawa" and (v < 1 or v != int(v)):
+            raise OptquantError(f"robust.strength={v}: LAWA's number of checkpoints k must be a whole number >= 1")
+        if self.method == "lawa" and self.every != 1:
+            raise OptquantError(f"robust.every={self.every}: LAWA averages the kept checkpoints (every "
+                                "train.eval_every steps); leave robust.every at 1")
         if not 2 <= self.bits <= 8:
             raise OptquantError(f"robust.bits={self.bits}: must be in 2..8")
 
 
 def entry_overrides(entry: str) -> tuple[str, ...]:
-    """A study's robust-arm entry `method[:strength[:every]]` (e.g. `penalty:0.3:4`) as run overrides."""
+    """A study's robust-arm entry `method[:strength[:every]]` (e.g. `penalty:0.3:4`) as run overrides;
+    `decay:f` is the plain run with train.decay_frac=f: `decay:0` has no decay, so its final model is the
+    end of the stable phase at the same budget (a WSD run's weights up to its decay do not depend on the
+    decay's length), and `decay:0.1`, `decay:0.4` vary the decay's length against the plain 0.2."""
     parts = entry.split(":")
     method, strength, every = (*parts, "", "")[:3]
+    if method == "decay" and len(parts) == 2 and strength:  # the LR decay as the variable (no robust method)
+        return (f"train.decay_frac={strength}",)
     if len(parts) > 3 or method not in ROBUST_METHODS[1:]:
         raise OptquantError(f"robust={entry!r}: expected method[:strength[:every]] with method one of "
-                            f"{', '.join(ROBUST_METHODS[1:])}")
+                            f"{', '.join(ROBUST_METHODS[1:])}, or decay:FRACTION")
     return (f"robust.method={method}", *((f"robust.strength={strength}",) if strength else ()),
             *((f"robust.every={every}",) if every else ()))
