@@ -50,7 +50,8 @@ from pathlib import Path
 # last-k checkpoints, the swap and the checkpointed state) and its wiring into the loop; OSP's single-scale
 # RMSNorm and embedding projections as model options (+67, model.py, the hash and groups), the arm's
 # decay:FRACTION entries (+4): 16,389 merged onto main's 16,173; the Robustness section's ranking of the
-# optimizers per method with ties (+19, report/robust.py on stats.rank_with_ties), and the seeds a 30 % cut needs per cell (+22, report/robust.seeds_needed, the normal
+# optimizers per method with ties (+19, report/robust.py on stats.rank_with_ties), and the seeds a 30 % cut
+# needs per cell (+22, report/robust.seeds_needed, the normal
 # power calculation from the measured spread): +267 in all; with the above, budget 16,650.
 BUDGET = 16_650
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
