@@ -39,8 +39,10 @@ from pathlib import Path
 # study's done runs), and `--hf --data DIR` reads a prepared directory as it is.
 # Issue 31's bit plan added ~345: quant/bit_plan.py (204: the exact knapsack, the ABC and oracle scores,
 # the llm-compressor/torchao exports), per-module bits in PTQConfig/quantize_ (+60), `optquant bits` and
-# `ptq --plan` (+75). With issue 30's small items (+5), all merged: budget 16,190.
-BUDGET = 16_190
+# `ptq --plan` (+75). With issue 30's small items (+5), all merged: budget 16,190. Issue 29's TOML types (+26:
+# TOML values reach override typed, ints widened to floats so that run ids hold, the leaf type checked before a
+# class's __post_init__): budget 16,210, until the configuration library replaces the type system.
+BUDGET = 16_210
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 
