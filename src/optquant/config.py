@@ -4,8 +4,8 @@ Overrides are dotted paths checked against field types (`optim.lr=3e-3`, `model.
 `optim.name=muon` swaps the optimizer config for that optimizer's defaults (applied before the other
 `optim.*` overrides); `qat.method=quest` creates a QAT section; `qat=none` removes it; `robust.method=penalty`
 (quant/robust_config.py) switches on a quantization-robust training method. A TOML file is the
-same thing written as tables (`[optim] name = "muon"`), plus an optional top-level `preset`.
-No YAML, no exec: every value is parsed by the type of the field it sets.
+same thing written as tables (`[optim] name = "muon"`), plus an optional top-level `preset`, its values
+checked as TOML typed them. No YAML, no exec: every --set string is parsed by the type of the field it sets.
 """
 
 from __future__ import annotations
