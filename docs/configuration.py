@@ -61,7 +61,8 @@ six optimizer configs, or a plugin's), `train` (`TrainConfig`), `qat` (`QATConfi
   is parsed by the field's type (`true`/`false`, numbers, `none` where the type allows it, lists as `a,b,c`)
   and checked against its range, so a bad value is one line (exit 2) before a run directory exists.
 - **A TOML file** (`--config run.toml`) is the same overrides written as tables (`[optim]` `name = "muon"`),
-  plus an optional top-level `preset = "nano"`; lists are TOML arrays.
+  plus an optional top-level `preset = "nano"`; lists are TOML arrays. Values keep TOML's types: `w_bits = "4"`
+  or `name = ["muon"]` is a one-line error naming the key, and an integer where a float belongs is that float.
 - **Order:** preset → TOML file → `--set`, each later one winning, except the two switches, which are applied
   first wherever they appear: `optim.name=X` replaces the optimizer section by optimizer X's defaults (then
   every other `optim.*` override applies to X), and `qat=none` removes the QAT section. Setting any `qat.*`

@@ -30,6 +30,21 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, args, message):
     assert err.startswith("optquant: error:") and message in err and "\n" not in err
 
 
+@pytest.mark.parametrize("toml, sets, message", [
+    ('[optim]\nname = ["muon"]\n', [], "optim.name=['muon']: expected str, got list"),
+    ('[qat]\nw_bits = "4"\n', [], "qat.w_bits='4': expected int, got str"),
+    ("", ["--set", "qat.w_bits=four"], "--set qat.w_bits=four: expected a number (int)"),
+    ("", ["--set", "optim.lr=-1"], "optim.lr=-1.0: must be in (0, inf)"),
+])
+def test_typed_config_errors_are_one_line(tmp_path, capsys, toml, sets, message):
+    """TOML's types and --set's strings are both checked by the field's type and range, before any run."""
+    (tmp_path / "run.toml").write_text(toml)
+    assert main(["train", "--out", str(tmp_path), "--quiet", "--config", str(tmp_path / "run.toml"), *sets]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("optquant: error:") and message in err and "\n" not in err
+    assert not any(tmp_path.glob("*/config.json"))
+
+
 def test_help_mentions_examples(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])

@@ -69,6 +69,64 @@ def test_bad_overrides_are_one_line_errors(bad, message):
     assert "\n" not in str(err.value)
 
 
+# Run ids of representative configs, printed by main's config.py at 5da5949 (before TOML values kept their types)
+# with `run_id(apply_overrides(run_preset(preset), overrides))`: a change to how configs are parsed, built or
+# hashed must leave every existing run directory findable.
+HELD_IDS = [
+    ("tiny", [], "tiny-adamw-a59aa3dccd"),
+    ("nano", ["optim.name=muon", "optim.lr=0.01"], "nano-muon-d69e2aecd3"),
+    ("pico", ["optim.name=shampoo", "optim.max_precondition_dim=256", "seed=3"], "pico-shampoo-df1a2d4b24"),
+    ("micro", ["qat.method=quest", "qat.w_bits=4"], "micro-adamw-81e8dbbb9a"),
+    ("nano", ["robust.method=penalty"], "nano-adamw-1acdd4c15f"),
+    ("zepto", ["optim.name=psgd", "train.steps=50", "train.schedule=cosine"], "zepto-psgd-606aed474b"),
+]
+
+
+@pytest.mark.parametrize("preset, overrides, held", HELD_IDS)
+def test_run_ids_are_held(tmp_path, preset, overrides, held):
+    assert run_id(apply_overrides(run_preset(preset), overrides)) == held
+    # the same run written as a TOML file (dotted keys; TOML's own types: 0.01 a float, 3 an int): the same id
+    def toml(value: str) -> str:
+        return value if value[0].isdigit() else f'"{value}"'
+
+    lines = [f'preset = "{preset}"', *(f"{k} = {toml(v)}" for k, v in (o.split("=") for o in overrides))]
+    (tmp_path / "run.toml").write_text("\n".join(lines) + "\n")
+    assert run_id(resolve(None, tmp_path / "run.toml", [])) == held
+
+
+@pytest.mark.parametrize("toml, message", [
+    ('[optim]\nname = ["muon"]\n', "optim.name=['muon']: expected str, got list"),
+    ('[qat]\nw_bits = "4"\n', "qat.w_bits='4': expected int, got str"),
+    ('[optim]\nlr = "0.01"\n', "optim.lr='0.01': expected float, got str"),
+    ('[model]\nn_layer = 2.5\n', "model.n_layer=2.5: expected int, got float"),
+    ('[train]\nwarmup_frac = 2.0\n', "train.warmup_frac=2.0: must be in [0, 1)"),
+    ('[train]\nprecision = ["fp32"]\n', "train.precision=['fp32']: choose one of"),
+])
+def test_toml_values_keep_their_types(tmp_path, toml, message):
+    """A TOML value is checked as TOML typed it, never re-read from its text: `name = ["muon"]` trained Muon and
+    `w_bits = "4"` trained 4 bits when TOML was flattened into `k=v` strings."""
+    (tmp_path / "run.toml").write_text(toml)
+    with pytest.raises(OptquantError) as err:
+        resolve(None, tmp_path / "run.toml", [])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_toml_ints_are_floats_where_floats_belong(tmp_path):
+    (tmp_path / "run.toml").write_text("[optim]\nlr = 1\n[train]\ncl_threshold = 4\n")
+    cfg = resolve(None, tmp_path / "run.toml", [])
+    assert type(cfg.optim.lr) is float and type(cfg.train.cl_threshold) is float
+    assert run_id(cfg) == run_id(resolve(None, None, ["optim.lr=1", "train.cl_threshold=4"]))
+
+
+def test_set_switches_apply_before_toml_fields(tmp_path):
+    """--set optim.name=muon with the TOML's optim.lr: the switch comes first, the lr goes to Muon."""
+    (tmp_path / "run.toml").write_text("[optim]\nlr = 0.03\n[qat]\nw_bits = 3\n")
+    cfg = resolve(None, tmp_path / "run.toml", ["optim.name=muon"])
+    assert cfg.optim.name == "muon" and cfg.optim.lr == 0.03 and cfg.qat.w_bits == 3
+    (tmp_path / "off.toml").write_text('qat = "none"\n')
+    assert resolve(None, tmp_path / "off.toml", []).qat is None
+
+
 def test_toml_then_overrides(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('preset = "micro"\nseed = 3\n[optim]\nname = "muon"\nlr = 0.01\n[train]\nsteps = 7\n')

@@ -4,8 +4,8 @@ Overrides are dotted paths checked against field types (`optim.lr=3e-3`, `model.
 `optim.name=muon` swaps the optimizer config for that optimizer's defaults (applied before the other
 `optim.*` overrides); `qat.method=quest` creates a QAT section; `qat=none` removes it; `robust.method=penalty`
 (quant/robust_config.py) switches on a quantization-robust training method. A TOML file is the
-same thing written as tables (`[optim] name = "muon"`), plus an optional top-level `preset`.
-No YAML, no exec: every value is parsed by the type of the field it sets.
+same thing written as tables (`[optim] name = "muon"`), plus an optional top-level `preset`, its values
+checked as TOML typed them. No YAML, no exec: every --set string is parsed by the type of the field it sets.
 """
 
 from __future__ import annotations
@@ -333,7 +333,9 @@ def _switched(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
     """`cfg` with the switches of `values` applied: `optim.name` (that optimizer's defaults), `qat` (None
     removes QAT) and a `qat.*` key (creates a QATConfig)."""
     if "optim.name" in values:
-        cfg = replace(cfg, optim=optimizer_config(values["optim.name"]))
+        if not isinstance(name := values["optim.name"], str):
+            raise OptquantError(f"optim.name={name!r}: expected str, got {type(name).__name__}")
+        cfg = replace(cfg, optim=optimizer_config(name))
     if "qat" in values:
         if values["qat"] is not None:
             raise OptquantError("--set qat=...: only qat=none; set qat.method=quest to enable QAT")
@@ -349,9 +351,20 @@ def override(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
     cfg = _switched(cfg, values)
     for key, value in values.items():
         if key not in ("optim.name", "qat"):
-            field_type(cfg, key.split("."), key)  # an unknown field is one error naming it
-            cfg = _set(cfg, key.split("."), tuple(value) if isinstance(value, list) else value)
+            tp = field_type(cfg, key.split("."), key)  # an unknown field is one error naming it
+            _check_type(value := _widened(value, tp), tp, key)  # before a class's __post_init__ compares it
+            cfg = _set(cfg, key.split("."), value)
     return validate(cfg)
+
+
+def _widened(value: Any, tp: Any) -> Any:
+    """A typed value (TOML's) as its field holds it: an int where a float belongs as that float (so that the
+    run id is the one `--set` gives), a list as a tuple. Nothing else is converted: validate checks the type."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    if type(value) is int and float in args and int not in args:
+        return float(value)
+    inner = [typing.get_args(a)[0] for a in args if typing.get_origin(a) in (tuple, list)]
+    return tuple(_widened(v, inner[0]) for v in value) if isinstance(value, list) and inner else value
 
 
 def parse_overrides(cfg: RunConfig, overrides: list[str]) -> dict[str, Any]:
@@ -380,18 +393,15 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     return override(cfg, parse_overrides(cfg, overrides))
 
 
-def _flatten_toml(table: dict, prefix: str = "") -> list[str]:
-    out = []
+def _flatten_toml(table: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for k, v in table.items():
-        if isinstance(v, dict):
-            out += _flatten_toml(v, f"{prefix}{k}.")
-        else:
-            out.append(f"{prefix}{k}={','.join(map(str, v)) if isinstance(v, list) else v}")
+        out.update(_flatten_toml(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
-def load_toml(path: Path) -> tuple[str | None, list[str]]:
-    """(preset, overrides) from a TOML run file."""
+def read_toml(path: Path) -> tuple[str | None, dict[str, Any]]:
+    """(preset, {dotted key: value as TOML typed it}) from a TOML run or study file."""
     try:
         table = tomllib.loads(read_text(path, "TOML"))
     except tomllib.TOMLDecodeError as e:
@@ -402,12 +412,28 @@ def load_toml(path: Path) -> tuple[str | None, list[str]]:
     return preset, _flatten_toml(table)
 
 
+def load_toml(path: Path) -> tuple[str | None, list[str]]:
+    """(preset, `k=v` overrides) from a TOML study file, whose settings the study spec parses as strings."""
+    preset, values = read_toml(path)
+    return preset, [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in values.items()]
+
+
 def resolve(preset: str | None, toml_path: Path | None, overrides: list[str]) -> RunConfig:
-    """preset → TOML file → --set overrides, each later one winning."""
-    toml_preset, toml_overrides = load_toml(toml_path) if toml_path else (None, [])
-    name = preset or toml_preset or "tiny"
-    cfg = run_preset(name)
-    return apply_overrides(cfg, toml_overrides + list(overrides))
+    """preset → TOML file → --set overrides, each later one winning (the switches first, wherever they are).
+    TOML values keep TOML's types: a list or a string where a number belongs is an error naming the key."""
+    toml_preset, toml_values = read_toml(toml_path) if toml_path else (None, {})
+    if isinstance(toml_values.get("qat"), str) and toml_values["qat"].lower() in ("none", "off", "null"):
+        toml_values["qat"] = None  # `qat = "none"`: TOML has no null
+    cfg = run_preset(preset or toml_preset or "tiny")
+    try:
+        shape = _switched(cfg, toml_values)  # the TOML's optimizer and QAT section, which --set values go to
+    except OptquantError as e:
+        raise OptquantError(f"{toml_path}: {e}") from None
+    values = dict(toml_values)
+    for key, value in parse_overrides(shape, list(overrides)).items():
+        values.pop(key, None)  # the last one wins, in its place
+        values[key] = value
+    return override(cfg, values)
 
 
 def _current_name(cls: type, key: str) -> str:
