@@ -52,8 +52,8 @@ from pathlib import Path
 # decay:FRACTION entries (+4): 16,389 merged onto main's 16,173; the Robustness section's ranking of the
 # optimizers per method with ties (+19, report/robust.py on stats.rank_with_ties), and the seeds a 30 % cut
 # needs per cell (+22, report/robust.seeds_needed, the normal
-# power calculation from the measured spread): +267 in all. Issue 29's TOML types (+26: TOML values reach override typed, ints
-# widened to floats so that run ids hold, the leaf type checked before a class's __post_init__), until the
+# power calculation from the measured spread): +267 in all. Issue 29's TOML types (+26: TOML values reach override
+# typed, ints widened to floats so that run ids hold, the leaf type checked before a class's __post_init__), until the
 # configuration library replaces the type system: budget 16,680.
 BUDGET = 16_680
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
