@@ -103,7 +103,7 @@ def test_cost_section_from_the_executor_log(nano_cfg, tmp_path):
     section = cost_section(tmp_path)
     stages, (per_opt, shares) = section.blocks
     assert stages.rows[0][0] == "fp" and stages.rows[0][1] == "2" and stages.rows[-1][0] == "all"
-    assert per_opt.rows[0][0] == "adamw" and shares.rows[0][0] == "training" and shares.rows[0][2] == "100.0 %"
+    assert per_opt.rows[0][0] == "AdamW" and shares.rows[0][0] == "training" and shares.rows[0][2] == "100.0 %"
     (tmp_path / "costs.jsonl").write_text("")
     assert "no cost log" in cost_section(tmp_path).blocks[0].missing
 
