@@ -8,9 +8,12 @@ before it existed stays valid, and the training loop takes its old path bit for 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+from msgspec import Meta
 
 from optquant.errors import OptquantError
+from optquant.ranges import Count
 
 ROBUST_METHODS: tuple[str, ...] = ("none", "penalty", "gain", "late-qat", "ema", "lawa")
 # `strength` when it is left unset: penalty λ, gain target τ, late-QAT fraction of the steps, EMA decay β
@@ -34,8 +37,9 @@ class RobustConfig:
 
     method: Literal["none", "penalty", "gain", "late-qat", "ema", "lawa"] = "none"
     strength: float | None = None  # None = DEFAULT_STRENGTH[method]
-    every: int = 1  # penalty / gain: on every k-th optimizer step (steps 0, k, 2k, ...)
-    bits: int = 4  # the quantizer's weight and activation bits (W4A4 as the study's PTQ and QAT)
+    every: Count = 1  # penalty / gain: on every k-th optimizer step (steps 0, k, 2k, ...)
+    # the quantizer's weight and activation bits (W4A4 as the study's PTQ and QAT)
+    bits: Annotated[int, Meta(ge=2, le=8)] = 4
 
     @property
     def value(self) -> float:
@@ -57,8 +61,6 @@ class RobustConfig:
         if self.method == "lawa" and self.every != 1:
             raise OptquantError(f"robust.every={self.every}: LAWA averages the kept checkpoints (every "
                                 "train.eval_every steps); leave robust.every at 1")
-        if not 2 <= self.bits <= 8:
-            raise OptquantError(f"robust.bits={self.bits}: must be in 2..8")
 
 
 def entry_overrides(entry: str) -> tuple[str, ...]:
