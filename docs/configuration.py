@@ -318,8 +318,8 @@ COLUMNS = ("key", "type", "default", "range / choices", "meaning")
 def field_rows(cls: type, prefix: str, choices: dict[str, str] | None = None,
                skip: tuple[str, ...] = (), keys: dict[str, str] | None = None) -> list[tuple[str, ...]]:
     """One row per field of dataclass `cls`, its keys `prefix` + name, its range from its annotation; `choices`
-    adds choices that are not in the type (a registry's names); `keys` replaces a field's key (a dict-valued field's form);
-    `skip` leaves fields out."""
+    adds choices that are not in the type (a registry's names); `keys` replaces a field's key (a dict-valued
+    field's form); `skip` leaves fields out."""
     hints, comments = typing.get_type_hints(cls), field_comments(cls)
     extras = typing.get_type_hints(cls, include_extras=True)
     rows = []
