@@ -282,15 +282,19 @@ def _set(cfg: Any, keys: list[str], value: Any) -> Any:
     return replace(cfg, **{keys[0]: value if len(keys) == 1 else _set(getattr(cfg, keys[0]), keys[1:], value)})
 
 
+class _Text(str):
+    """A --set string, which `override` parses by the type of the field it sets (TOML's values keep theirs)."""
+
+
 def _switched(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
-    """`cfg` with the switches of `values` applied: `optim.name` (that optimizer's defaults), `qat` (None
+    """`cfg` with the switches of `values` applied: `optim.name` (that optimizer's defaults), `qat` (none
     removes QAT) and a `qat.*` key (creates a QATConfig)."""
     if "optim.name" in values:
         if not isinstance(name := values["optim.name"], str):
             raise OptquantError(f"optim.name={name!r}: expected str, got {type(name).__name__}")
-        cfg = replace(cfg, optim=optimizer_config(name))
+        cfg = replace(cfg, optim=optimizer_config(str(name)))
     if "qat" in values:
-        if values["qat"] is not None:
+        if str(values["qat"]).lower() not in ("none", "off", "null"):  # `qat = "none"`: TOML has no null
             raise OptquantError("--set qat=...: only qat=none; set qat.method=quest to enable QAT")
         cfg = replace(cfg, qat=None)
     if cfg.qat is None and any(k.startswith("qat.") for k in values):
@@ -299,41 +303,35 @@ def _switched(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
 
 
 def override(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
-    """A copy of `cfg` with each dotted field of `values` set to its (typed) value, then validated: the
-    switches first (`optim.name`, `qat`: see `_switched`), then every other field."""
+    """A copy of `cfg` with each dotted field of `values` set to its value (typed, or a --set string parsed by
+    the field's type), then validated: the switches first (`optim.name`, `qat`: see `_switched`), wherever they
+    are, then every other field."""
     cfg = _switched(cfg, values)
     data = to_dict(cfg)
     for key, value in values.items():
         if key not in ("optim.name", "qat"):
-            *sections, name = field_type(cfg, key.split("."), key)[0]  # an unknown field is one error naming it
+            (*sections, name), tp = field_type(cfg, key.split("."), key)  # an unknown field: one error naming it
+            value = parse_value(value, tp, key) if isinstance(value, _Text) else value
             functools.reduce(dict.__getitem__, sections, data)[name] = value
     return _decode(data)
 
 
-def parse_overrides(cfg: RunConfig, overrides: list[str]) -> dict[str, Any]:
-    """`a.b=value` strings (--set, TOML, a study's settings) as {dotted key: value parsed by its field's type};
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`a.b=value` strings (--set, a study's settings) as {dotted key: the string, which `override` parses};
     a key given twice keeps its last value."""
-    pairs = []
+    values: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise OptquantError(f"--set {item}: expected key=value, e.g. optim.lr=3e-3")
         key, value = item.split("=", 1)
-        pairs.append((key.strip(), value.strip()))
-    switches = {k: v for k, v in pairs if k in ("optim.name", "qat")}
-    if switches.get("qat", "").lower() in ("none", "off", "null"):
-        switches["qat"] = None  # anything else is _switched's error
-    shape = _switched(cfg, {**dict.fromkeys(k for k, _ in pairs), **switches})  # the fields the values go to
-    values: dict[str, Any] = {}
-    for key, value in pairs:
-        values.pop(key, None)  # the last one wins, in its place
-        values[key] = switches[key] if key in switches else \
-            parse_value(value, field_type(shape, key.split("."), key)[1], key)
+        values.pop(key.strip(), None)  # the last one wins, in its place
+        values[key.strip()] = _Text(value.strip())
     return values
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     """Apply `a.b=value` overrides (optimizer and QAT switches first)."""
-    return override(cfg, parse_overrides(cfg, overrides))
+    return override(cfg, parse_overrides(overrides))
 
 
 def _flatten_toml(table: dict, prefix: str = "") -> dict[str, Any]:
@@ -364,16 +362,8 @@ def load_toml(path: Path) -> tuple[str | None, list[str]]:
 def resolve(preset: str | None, toml_path: Path | None, overrides: list[str]) -> RunConfig:
     """preset → TOML file → --set overrides, each later one winning (the switches first, wherever they are).
     TOML values keep TOML's types: a list or a string where a number belongs is an error naming the key."""
-    toml_preset, toml_values = read_toml(toml_path) if toml_path else (None, {})
-    if isinstance(toml_values.get("qat"), str) and toml_values["qat"].lower() in ("none", "off", "null"):
-        toml_values["qat"] = None  # `qat = "none"`: TOML has no null
-    cfg = run_preset(preset or toml_preset or "tiny")
-    try:
-        shape = _switched(cfg, toml_values)  # the TOML's optimizer and QAT section, which --set values go to
-    except OptquantError as e:
-        raise OptquantError(f"{toml_path}: {e}") from None
-    values = dict(toml_values)
-    for key, value in parse_overrides(shape, list(overrides)).items():
+    toml_preset, values = read_toml(toml_path) if toml_path else (None, {})
+    for key, value in parse_overrides(list(overrides)).items():
         values.pop(key, None)  # the last one wins, in its place
         values[key] = value
-    return override(cfg, values)
+    return override(run_preset(preset or toml_preset or "tiny"), values)

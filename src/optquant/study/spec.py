@@ -68,7 +68,7 @@ def run_config(spec: StudySpec, size: str, opt: str, lr: float | None = None, se
     planner's own (typed) fields, e.g. a tied group's ratio or a Common-Loss threshold; `extra`: settings as
     the user wrote them (`field=value`: a swept value, a robust entry), parsed by type like `spec.run`."""
     base = run_preset(size)
-    values = parse_overrides(base, [*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()), *extra])
+    values = parse_overrides([*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()), *extra])
     values |= {**({} if lr is None else {"optim.lr": lr}), "seed": seed, **(settings or {})}
     return replace(override(base, values), name=f"{spec.name}-{size}")
 
