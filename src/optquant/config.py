@@ -311,6 +311,8 @@ def override(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
     for key, value in values.items():
         if key not in ("optim.name", "qat"):
             (*sections, name), tp = field_type(cfg, key.split("."), key)  # an unknown field: one error naming it
+            if is_dataclass(tp) or tp is Any:  # a section (optim: any optimizer's)
+                raise OptquantError(f"{key}={value!r}: a section; set its fields ({key}.FIELD=...)")
             value = parse_value(value, tp, key) if isinstance(value, _Text) else value
             functools.reduce(dict.__getitem__, sections, data)[name] = value
     return _decode(data)
