@@ -54,10 +54,10 @@ from pathlib import Path
 # needs per cell (+22, report/robust.seeds_needed, the normal
 # power calculation from the measured spread): +267 in all. Issue 29's TOML types (+26: TOML values reach override
 # typed, ints widened to floats so that run ids hold, the leaf type checked before a class's __post_init__), until the
-# configuration library replaces the type system: budget 16,680. Issue 29's configuration on msgspec removed 142
-# (16,517): types and ranges checked by msgspec from the annotations (ranges.py), no hand-written type checks, range
-# table, widening or shape config: budget 16,538.
-BUDGET = 16_538
+# configuration library replaces the type system: budget 16,680. Issue 29's configuration on msgspec removed 141
+# (16,518): types and ranges checked by msgspec from the annotations (ranges.py), no hand-written type checks, range
+# table, widening or shape config: budget 16,539.
+BUDGET = 16_539
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

@@ -140,8 +140,9 @@ def to_dict(cfg: Any) -> dict:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """`cfg` checked as every config is built (presets, TOML, --set, config.json): each field's type and range,
-    then the fields' mutual constraints; bad input fails before a run directory exists."""
-    return _decode(to_dict(cfg))
+    then the fields' mutual constraints; bad input fails before a run directory exists. Returns `cfg` itself."""
+    _decode(to_dict(cfg))
+    return cfg
 
 
 def _decode(data: dict) -> RunConfig:
