@@ -3,6 +3,11 @@
 fixtures built from what the code really writes. Placeholders (`runs/<run>`, `[--markdown]`) go through the
 explicit SUBS table; what cannot run here is in SKIP with its reason. A block command in neither table fails
 `test_every_documented_command_is_run_or_skipped`, so the docs cannot drift from the tests.
+
+The cheap commands are fast tests: each runs through `optquant.cli.main` in the test's process (what the console
+script calls; a fresh interpreter would add ~3 s of imports per command) on a module fixture with a zepto run,
+together ~22 s of CPU (measured niced under load; an idle core gives about that wall time). SLOW ones (a study,
+a default-sized `train`, the default study's refit) run through bash in a fresh directory, with -m slow.
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ SUBS = {
     "runs/tiny-adamw-<hash>": "runs/{tiny_run}",
     "[--markdown]": "--markdown",
 }
-# Commands that train a real preset (a study at smoke scale, a default `train`): slow-marked.
+# Commands that train a real preset (a study at smoke scale, a default `train`) or refit the default study
+# (bootstrap intervals: 64 s of CPU, three times the fast commands together): slow-marked.
 SLOW = {
+    "optquant fit studies/cpu",
     "optquant train --preset nano --set optim.name=muon --set optim.lr=0.02",
     "optquant study --preset smoke --set optimizers=adamw,examples/lion.py:make_optimizer",
     "optquant train --set model.arch=llama --out runs",
@@ -217,6 +224,7 @@ def test_documented_command_runs(cmd, workdir, monkeypatch, capsys):
 def test_documented_slow_command_runs(cmd, tmp_path, corpus):
     """Each in a fresh directory with examples/ beside it; `a && b` runs its commands in order there."""
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    shutil.copytree(ROOT / "docs" / "results", tmp_path / "studies" / "cpu")  # the default study's output
     (tmp_path / "home").mkdir()
     _mc_task(tmp_path / "home", corpus, tmp_path / "my_tasks", "my_mc")
     siblings = [c for c in all_commands() if c.file == cmd.file and c.line == cmd.line]
