@@ -148,6 +148,20 @@ def test_every_documented_command_is_run_or_skipped():
     assert not placeholders, f"a placeholder without a substitution in SUBS: {placeholders}"
 
 
+def test_no_command_hides_in_an_untagged_block():
+    """A fence without a language is not extracted: one holding a command (`$ ...`, `optquant ...`) would escape
+    the tests above, so it must be tagged bash. Today's untagged blocks (docs/configuration.md's robust methods)
+    are text."""
+    command = re.compile(r"^(\$ |optquant |python |pip )")
+    for path in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        lang = None
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                lang = line[3:].strip() if lang is None else None
+            elif lang == "" and command.match(line.strip()):
+                raise AssertionError(f"{path.relative_to(ROOT)}:{i}: a command in an untagged block: tag it bash")
+
+
 def test_a_broken_doc_command_fails_naming_file_and_line(tmp_path, monkeypatch, capsys):
     doc = tmp_path / "broken.md"
     doc.write_text("# A doc\n\ntext\n\n```bash\noptquant train --no-such-flag   # a typo\n```\n")
