@@ -92,3 +92,11 @@ def test_token_ids_from_a_fifo_or_device_are_refused(hostile, name, message):
     with released(hostile / "fifo"), pytest.raises(OptquantError, match=f"^{name}: {message}, not a token-id file"):
         read_ids(Path(name), 320, 8)
     shutil.rmtree(hostile / "adir")
+
+
+@pytest.mark.parametrize("source", ["fifo", "/dev/zero"])
+def test_a_corpus_source_that_is_a_fifo_or_device(hostile, capsys, source):
+    assert main(["data", "prepare", source, "--out", "out"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"optquant: error: data source {source} is not a file or directory (a FIFO or device)\n", err
+    assert not (hostile / "out").exists()
