@@ -65,8 +65,9 @@ class LazyWeights:
         for file in files:
             with safe_open(file, "pt", device=str(device)) as f:
                 for attr, (fi, key) in self.where.items():
-                    if fi == file:
-                        _set(module, attr, f.get_tensor(key).to(self.dtype))
+                    if fi == file:  # a copy: a tensor on the file's mapping would keep every page read resident
+                        t = f.get_tensor(key)
+                        _set(module, attr, t.to(self.dtype) if t.dtype != self.dtype else t.clone())
 
     def release_(self, module: nn.Module) -> None:
         for attr in self.where:
