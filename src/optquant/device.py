@@ -75,9 +75,10 @@ def keep_freed_memory() -> bool:
 def return_freed_memory() -> bool:
     """The opposite, for the runs memory bounds (`--hf`): every block of 1 MiB or more mapped on its own and
     unmapped when freed, the heap trimmed above 1 MiB free. glibc's default raises its mmap threshold to the
-    largest block freed (up to 32 MiB), after which a walk's activations of a few MB land on the heap, and
-    the heap's holes stay resident: the 0.5B bf16 analyze grew ~0.4 GB that way in its outlier pass alone
-    (issue 33). The cost is page faults on each big allocation. Same conditions and return as keep_freed_memory."""
+    largest block freed (up to 32 MiB), after which a walk's activations of a few MB land on the heap, and the
+    heap's holes stay resident (a 2-layer 0.5B-shaped bf16 analyze peaked 0.19 GB lower with the threshold
+    pinned, docs/benchmarks.md). The cost is page faults on each big allocation. Same conditions and return as
+    keep_freed_memory."""
     return _mallopt(RETURN_BYTES)
 
 
