@@ -82,14 +82,15 @@ def test_freed_memory_is_reused_with_the_same_numbers():
     assert kept["digest"] == fresh["digest"]
 
 
-@pytest.mark.parametrize(("argv", "kept"), [(["analyze", "--hf", "/nonexistent"], False),
-                                            (["analyze", "/nonexistent"], True)])
-def test_hf_runs_give_freed_memory_back(monkeypatch, argv, kept):
-    """`--hf` runs are bounded by memory: they leave malloc's defaults (freed blocks go back), others keep them."""
+@pytest.mark.parametrize(("argv", "which"), [(["analyze", "--hf", "/nonexistent"], "return"),
+                                             (["analyze", "/nonexistent"], "keep")])
+def test_hf_runs_give_freed_memory_back(monkeypatch, argv, which):
+    """`--hf` runs are bounded by memory: they hand freed blocks back (return_freed_memory), others keep them."""
     import optquant.device
     from optquant.cli import main
 
     calls = []
-    monkeypatch.setattr(optquant.device, "keep_freed_memory", lambda: calls.append(1))
+    for name in ("keep", "return"):
+        monkeypatch.setattr(optquant.device, f"{name}_freed_memory", lambda name=name: calls.append(name))
     assert main(argv) != 0
-    assert bool(calls) is kept
+    assert calls == [which]
