@@ -143,7 +143,8 @@ def pooled_cut(g: pd.DataFrame, m: str, n_boot: int = 4000) -> tuple[float, floa
 
 
 def tables(df: pd.DataFrame, sizes: list[str]) -> list[str]:
-    out = [f"| +bits | size | models | uniform W4 Δloss | {' | '.join(METHODS)} |", "|---|---|---|---|" + "---|" * len(METHODS)]
+    out = [f"| +bits | size | models | uniform W4 Δloss | {' | '.join(METHODS)} |",
+           "|---|---|---|---|" + "---|" * len(METHODS)]
     top = [s for s in sizes if s in set(df["size"])][-1]
     tests: dict[float, dict[str, tuple[float, float]]] = {}
     for extra, g in df.groupby("extra"):
