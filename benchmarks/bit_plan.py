@@ -51,6 +51,7 @@ from optquant.quant.bit_plan import solve
 from optquant.quant.layers import linear_layers
 from optquant.quant.primitives import fake_quant
 from optquant.quant.ptq import quantize_
+from optquant.runs import RunDir, read_config
 from optquant.stats import holm, paired_test, percentile_ci
 
 CHOICES = (4, 8)
@@ -61,15 +62,25 @@ HELDOUT = 54321  # the plans' damage: validation windows of seed + HELDOUT (the 
 
 
 def cl_models(study: Path, sizes: list[str]) -> pd.DataFrame:
-    """(run_id, size, optimizer, seed) of the study's Common-Loss models at `sizes`, from results.parquet."""
+    """(run_id, size, optimizer, seed) of the study's Common-Loss models at `sizes`: results.parquet's kind "cl"
+    rows, or, before the study has written it, the runs the Common-Loss stage trains (train.stop_at_cl, done, with
+    CL weights). Ordered by seed, optimizer, size, so that a partial run covers every optimizer first."""
     path = study / "results.parquet"
-    if not path.is_file():
-        raise OptquantError(f"{study}: no results.parquet (the study has not finished)")
-    df = read_parquet(path)
-    cl = df[(df["kind"] == "cl") & df["size"].isin(sizes)][["run_id", "size", "optimizer", "seed"]]
-    cl = cl.drop_duplicates("run_id").sort_values(["size", "optimizer", "seed"], ignore_index=True)
+    if path.is_file():
+        df = read_parquet(path)
+        cl = df[(df["kind"] == "cl") & df["size"].isin(sizes)][["run_id", "size", "optimizer", "seed"]]
+    else:
+        rows = []
+        for run in sorted((study / "runs").iterdir()) if (study / "runs").is_dir() else ():
+            rd = RunDir(run)
+            if rd.summary.exists() and rd.weights("cl").exists():
+                cfg = read_config(run)
+                if cfg.train.stop_at_cl and cfg.preset in sizes:
+                    rows.append({"run_id": run.name, "size": cfg.preset, "optimizer": cfg.optim.name, "seed": cfg.seed})
+        cl = pd.DataFrame(rows, columns=["run_id", "size", "optimizer", "seed"])
+    cl = cl.drop_duplicates("run_id").sort_values(["seed", "optimizer", "size"], ignore_index=True)
     if cl.empty:
-        raise OptquantError(f"{path}: no Common-Loss models at sizes {', '.join(sizes)}")
+        raise OptquantError(f"{study}: no Common-Loss models at sizes {', '.join(sizes)}")
     return cl
 
 
@@ -99,17 +110,13 @@ def gains_of(run: LoadedRun, qcfg, acfg, params, method: str):
     return cheap_gains(run, qcfg, acfg, params, (method,))[method]
 
 
-def costs(run: LoadedRun, qcfg, acfg, params) -> dict[str, float]:
-    """Each method's matmul FLOPs over one FP forward of one validation batch."""
-    val = _batches(run.cfg, run.data.val, 1, run.cfg.seed + 12345)
-
-    def flops(fn) -> int:
-        with FlopCounterMode(display=False) as counter:
-            fn()
-        return counter.get_total_flops()
-
-    one = flops(lambda: val_loss(run.model, val))
-    return {m: flops(lambda m=m: gains_of(run, qcfg, acfg, params, m)) / one for m in METHODS}
+def measured(fn, count: bool) -> tuple[object, int]:
+    """fn() and, with `count`, the matmul FLOPs it ran (backward passes included); else 0."""
+    if not count:
+        return fn(), 0
+    with FlopCounterMode(display=False) as counter:
+        out = fn()
+    return out, counter.get_total_flops()
 
 
 def one_model(model: dict, study: Path, scheme: str, extras: list[float], with_cost: bool) -> list[dict]:
@@ -119,16 +126,27 @@ def one_model(model: dict, study: Path, scheme: str, extras: list[float], with_c
     n_val = acfg.eval_batches or run.cfg.train.eval_batches
     val = _batches(run.cfg, run.data.val, n_val, run.cfg.seed + HELDOUT)
     fp = val_loss(run.model, val).loss
-    gains = cheap_gains(run, qcfg, acfg, params) | {m: score_gains(run, qcfg, acfg, params, CHOICES, m)
-                                                    for m in SCORED}
-    cost = costs(run, qcfg, acfg, params) if with_cost else {}
-    uniform = damage_of(run, qcfg, acfg, {n: 4 for n in params}, val) - fp
+    gains, cost = {}, {}
+    one = measured(lambda: val_loss(run.model, val[:1]), with_cost)[1]  # one FP forward of one batch
+    for m in METHODS:
+        gains[m], flops = measured(lambda m=m: gains_of(run, qcfg, acfg, params, m), with_cost)
+        if with_cost:
+            cost[m] = flops / one
+    cache: dict[tuple, float] = {}  # methods that choose the same plan share its evaluation
+
+    def damage(bits: dict[str, int]) -> float:
+        key = tuple(sorted(bits.items()))
+        if key not in cache:
+            cache[key] = damage_of(run, qcfg, acfg, bits, val) - fp
+        return cache[key]
+
+    uniform = damage({n: 4 for n in params})
     rows = []
     for extra in extras:
         row = {**model, "extra": extra, "uniform": uniform, "modules": len(params), "val_batches": n_val,
                **{f"cost_{m}": c for m, c in cost.items()}}
         for method in METHODS:
-            row[method] = damage_of(run, qcfg, acfg, solve(params, gains[method], 4 + extra, CHOICES), val) - fp
+            row[method] = damage(solve(params, gains[method], 4 + extra, CHOICES))
         rows.append(row)
     return rows
 
@@ -205,7 +223,8 @@ def main() -> int:
         return 2
     if args.models:
         models = models.groupby("size", group_keys=False).apply(
-            lambda g: g.iloc[np.unique(np.linspace(0, len(g) - 1, min(args.models, len(g))).round().astype(int))])
+            lambda g: g.iloc[np.unique(np.linspace(0, len(g) - 1, min(args.models, len(g))).round().astype(int))]
+        ).sort_values(["seed", "optimizer", "size"], ignore_index=True)
     done = [json.loads(ln) for ln in args.rows.read_text().splitlines()] if args.rows and args.rows.exists() else []
     rows, seen = list(done), {r["run_id"] for r in done}
     costed = {r["size"] for r in done if "cost_abc" in r}
