@@ -25,7 +25,7 @@ validation batch, "forward-pass equivalents", on the first model of each size (t
 Rows are appended to --rows (JSON lines) model by model; a rerun skips the models already there.
 
 Run: python benchmarks/bit_plan.py STUDY [--sizes femto pico] [--scheme w4a4-rtn] [--extra 0.25 0.5 1]
-     [--models N] [--rows rows.jsonl]
+     [--models N] [--rows rows.jsonl [--print-only]]
 """
 
 from __future__ import annotations
@@ -213,6 +213,7 @@ def main() -> int:
     ap.add_argument("--scheme", default="w4a4-rtn")
     ap.add_argument("--extra", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     ap.add_argument("--rows", type=Path, help="per-model rows, JSON lines, appended as each model finishes")
+    ap.add_argument("--print-only", action="store_true", help="tabulate the models already in --rows, compute none")
     ap.add_argument("--models", type=int, default=0, help="at most this many models per size, evenly spaced (0 = all)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -229,7 +230,7 @@ def main() -> int:
     rows, seen = list(done), {r["run_id"] for r in done}
     costed = {r["size"] for r in done if "cost_abc" in r}
     for model in models.to_dict("records"):
-        if model["run_id"] in seen:
+        if model["run_id"] in seen or args.print_only:
             continue
         new = one_model(model, args.study, args.scheme, args.extra, model["size"] not in costed)
         costed.add(model["size"])
