@@ -213,6 +213,7 @@ def main() -> int:
     ap.add_argument("--scheme", default="w4a4-rtn")
     ap.add_argument("--extra", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     ap.add_argument("--rows", type=Path, help="per-model rows, JSON lines, appended as each model finishes")
+    ap.add_argument("--reverse", action="store_true", help="measure the models in reverse order (a second process)")
     ap.add_argument("--print-only", action="store_true", help="tabulate the models already in --rows, compute none")
     ap.add_argument("--models", type=int, default=0, help="at most this many models per size, evenly spaced (0 = all)")
     args = ap.parse_args()
@@ -229,7 +230,7 @@ def main() -> int:
     done = [json.loads(ln) for ln in args.rows.read_text().splitlines()] if args.rows and args.rows.exists() else []
     rows, seen = list(done), {r["run_id"] for r in done}
     costed = {r["size"] for r in done if "cost_abc" in r}
-    for model in models.to_dict("records"):
+    for model in models.to_dict("records")[:: -1 if args.reverse else 1]:
         if model["run_id"] in seen or args.print_only:
             continue
         new = one_model(model, args.study, args.scheme, args.extra, model["size"] not in costed)
