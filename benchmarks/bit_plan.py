@@ -241,7 +241,7 @@ def main() -> int:
                 f.write("".join(json.dumps(r) + "\n" for r in new))
         print(f"done {model['run_id']} ({model['size']}, {model['optimizer']}, seed {model['seed']})", file=sys.stderr)
     df = pd.DataFrame(rows)
-    df = df[df["run_id"].isin(models["run_id"])]
+    df = df[df["run_id"].isin(models["run_id"])].drop_duplicates(["run_id", "extra"])  # two processes may overlap
     print(f"{df['run_id'].nunique()} Common-Loss models, scheme {args.scheme}, choices {CHOICES}. Cell: pooled cut "
           "1 − ΣΔ_plan/ΣΔ_W4 [95 % bootstrap over models]; at the largest size the paired sign-flip test of Δ_plan "
           "against abc's (Holm over the cheap scores), 'worse'/'better' the method's mean Δ against abc's")
