@@ -9,6 +9,11 @@ training cost is the ratio of mean step times (wall clock in the study's workers
 measures it side by side). The verdict: an arm cuts damage significantly at no significant FP cost for
 an optimizer when its damage p_Holm < α with a negative mean and its final-FP-loss difference is not
 significantly positive. The figure is the Pareto view: final-model damage against final FP loss.
+
+The decay table (issue 32's `decay:FRACTION` entries) asks whether the LR decay is where the damage comes from:
+per optimizer and decay length, the final model's damage and FP loss, paired with the shortest decay that ran
+(`decay:0`: no decay, the end of the stable phase at the same budget), the plain run being its own
+train.decay_frac (study.json's settings, else TrainConfig's default).
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from optquant.files import read_parquet
+from optquant.config import TrainConfig
+from optquant.files import read_json, read_parquet
 from optquant.report.figures import Plot, grid, missing, save
 from optquant.report.html import Section
 from optquant.report.paper import label
 from optquant.report.tables import Table, not_run
-from optquant.stats import ALPHA, holm, min_p, paired_test, rank_with_ties
+from optquant.stats import ALPHA, holm, min_p, paired_test, rank_with_ties, summarize
 
 ROBUST_FILE = "robust.parquet"  # study/robust.py writes it (the report does not import the study)
 GOAL = (-30.0, 1.3)  # the issue's aim: ≥ 30 % less damage at ≤ 1.3× the training cost
@@ -150,6 +156,50 @@ def ranking_table(df: pd.DataFrame, scheme: str) -> Table:
                  ("method", *opts, "vs none"), rows, caption)
 
 
+def plain_decay(spec: dict, opt: str) -> float:
+    """The plain runs' train.decay_frac: the last one the study's `run` or the optimizer's overrides set."""
+    sets = [o.split("=", 1)[1] for o in (*spec.get("run", ()), *spec.get("per_optimizer", {}).get(opt, ()))
+            if o.startswith("train.decay_frac=")]
+    return float(sets[-1]) if sets else TrainConfig.decay_frac
+
+
+def decay_table(df: pd.DataFrame, scheme: str, spec: dict) -> Table | None:
+    """Stable vs decayed: each optimizer's final-model damage per decay length, paired with its shortest."""
+    decays = {a: float(a.split(":", 1)[1]) for a in df["arm"].unique() if a.startswith("decay:")}
+    if not decays:
+        return None
+    rows, paired = [], []  # paired: (row, damage test, FP-loss test, % change) of each non-reference row
+    for opt in sorted(df["optimizer"].unique()):
+        frac = {**decays, "none": plain_decay(spec, opt)}
+        arms = sorted(frac, key=lambda a: (frac[a], a != "none"))
+        dmg = {a: _series(df, a, "final", scheme, "delta_val_loss", opt) for a in arms}
+        fp = {a: _series(df, a, "final", scheme, "val_loss_fp", opt) for a in arms}
+        for a in arms:
+            s = summarize(dmg[a])
+            name = f"{frac[a]:g}" + (" (plain)" if a == "none" else " (stable end)" if frac[a] == 0 else "")
+            rows.append([label(opt), name, str(s.n), f"{_fmt(s.mean)} [{_fmt(s.lo)}, {_fmt(s.hi)}]", "ref.",
+                         *["–"] * 4])
+            if a != arms[0]:
+                t, base = paired_test(dmg[a], dmg[arms[0]]), float(dmg[arms[0]].mean())
+                paired.append((rows[-1], t, paired_test(fp[a], fp[arms[0]]),
+                               100 * t.mean_diff / base if base > 0 else math.nan))
+    ps = holm([t.p for _, t, _, _ in paired]) if paired else []
+    for (row, t, f, change), p in zip(paired, ps, strict=True):
+        row[4:] = [f"{_fmt(t.mean_diff)} [{_fmt(t.lo)}, {_fmt(t.hi)}]", f"{_fmt(change, 1)} %", f"{t.p:.3g}",
+                   f"{p:.3g}", f"{_fmt(f.mean_diff)} [{_fmt(f.lo)}, {_fmt(f.hi)}]"]
+    up = sum(p < ALPHA and t.mean_diff > 0 for (_, t, _, _), p in zip(paired, ps, strict=True))
+    cols = ("optimizer", "decay (fraction of steps)", "n", "final damage [95 % CI]", "Δ damage vs ref. [95 % CI]",
+            "change", "p", "p_Holm", "Δ final FP loss vs ref. [95 % CI]")
+    caption = (f"{ROBUST_FILE}: Δ val loss under {scheme} of the final models, per length of the WSD schedule's "
+               "LR decay (t-interval of the mean over (size, seed)). ref. = the optimizer's shortest decay; decay 0 "
+               "is the end of the stable phase at the same budget. Every other length is paired with it over "
+               "(size, seed): mean difference with its bootstrap 95 % interval, exact sign-flip p, Holm over the "
+               f"{len(paired)} paired rows; the decay raises damage significantly (p_Holm < {ALPHA}, positive) in "
+               f"{up} of them. The last column is the FP loss the decay buys (negative = lower loss).")
+    return Table("robust-decay", f"Stable vs decayed: is the LR decay where the PTQ damage comes from? ({scheme})",
+                 cols, tuple(tuple(r) for r in rows), caption)
+
+
 def fig_pareto(df: pd.DataFrame, scheme: str, out: Path) -> Plot:
     title = "Robustness — PTQ damage against FP loss (final models)"
     fin = df[(df["weights"] == "final") & (df["scheme"] == scheme)]
@@ -187,6 +237,8 @@ def robust_section(root: Path, fig_dir: Path) -> Section:
         return Section("robust", "Robust training", intro, (not_run("robust", "Robustness", "no CL rows"),))
     table, cells = robustness_table(df, schemes[0])
     table = Table(table.key, table.title, table.columns, table.rows, f"{table.caption} Verdict: {verdict(cells)}")
+    spec = (read_json(Path(root) / "study.json") if (Path(root) / "study.json").is_file() else {}).get("spec", {})
+    decay = decay_table(df, schemes[0], spec)
     return Section("robust", "Robust training", intro,
-                   (table, scheme_table(df, schemes), ranking_table(df, schemes[0]),
+                   (table, *filter(None, [decay]), scheme_table(df, schemes), ranking_table(df, schemes[0]),
                     fig_pareto(df, schemes[0], fig_dir)))
