@@ -423,3 +423,27 @@ def test_damage_at_the_end_of_the_stable_phase_is_a_run_stopped_there(nano_cfg, 
     assert damage[0] == damage[1] and damage[0] != 0
     with pytest.raises(OptquantError, match="decay:FRACTION"):
         entry_overrides("decay")
+
+
+def test_seed_plan_is_the_pooled_seed_spread_of_the_plain_runs_at_the_two_largest_sizes():
+    """On the default study's record (docs/results/results.parquet, what the study really wrote)."""
+    from pathlib import Path
+
+    from optquant.report.robust import seed_plan, seed_table, seeds_needed
+
+    results = pd.read_parquet(Path(__file__).parents[1] / "docs" / "results" / "results.parquet")
+    plan = {c["opt"]: c for c in seed_plan(results, "w4a4-rtn", cells=36)}
+    d = results[(results["kind"] == "cl") & (results["scheme"] == "w4a4-rtn") & (results["metric"] == "delta_val_loss")]
+    two = sorted(d["size"].unique(), key=lambda s: d.loc[d["size"] == s, "n_params"].max())[-2:]
+    assert set(plan) == set(d["optimizer"])
+    for opt, c in plan.items():
+        per = [d[(d["optimizer"] == opt) & (d["size"] == s)]["value"].to_numpy() for s in two]
+        ss = sum(((v - v.mean()) ** 2).sum() for v in per)
+        sd = math.sqrt(ss / sum(len(v) - 1 for v in per))
+        mean = float(pd.concat([pd.Series(v) for v in per]).mean())
+        assert c["sd"] == pytest.approx(sd) and c["mean"] == pytest.approx(mean)
+        assert c["needed"] == seeds_needed(math.sqrt(2) * sd, mean, 36) and c["units"] == sum(map(len, per))
+    table = seed_table(results, "w4a4-rtn", ("ema:0.9", "decay:0"))  # 6 optimizers × 2 entries = 12 cells
+    row = dict(zip(table.columns, table.rows[0], strict=True))
+    first = seed_plan(results, "w4a4-rtn", cells=12)[0]
+    assert row["n for −30 %"] == str(first["needed"]) and row["seeds per size"] == str(-(-first["needed"] // 2))

@@ -27,6 +27,7 @@ from scipy import stats
 
 from optquant.config import TrainConfig
 from optquant.files import read_json, read_parquet
+from optquant.quant.robust_config import RECOMMENDED_ARM
 from optquant.report.figures import Plot, grid, missing, save
 from optquant.report.html import Section
 from optquant.report.paper import label
@@ -47,6 +48,41 @@ def seeds_needed(sd_diff: float, plain_mean: float, cells: int, cut: float = -GO
         return 0
     z = stats.norm.ppf(1 - ALPHA / (2 * cells)) + stats.norm.ppf(POWER)
     return max(math.ceil((z * sd_diff / (cut * plain_mean)) ** 2), math.floor(math.log2(2 * cells / ALPHA)) + 1)
+
+
+def seed_plan(results: pd.DataFrame, scheme: str, cells: int, sizes: int = 2) -> list[dict]:
+    """The power calculation before an arm runs, from the plain runs alone (results.parquet): per optimizer,
+    the Common-Loss damage under `scheme` at the `sizes` largest sizes, its sd over seeds pooled within size,
+    and the (size, seed) units seeds_needed gives for a 30 % cut over `cells` Holm cells, with the sd of a
+    paired difference taken as √2·sd: an arm's run as noisy as a fresh seed and sharing none of its noise
+    with the plain run of its seed (an upper bound for ema, lawa and decay, which share the trajectory)."""
+    d = results[(results["kind"] == "cl") & (results["scheme"] == scheme) & (results["metric"] == "delta_val_loss")]
+    largest = d.groupby("size")["n_params"].max().sort_values().index[-sizes:]
+    out = []
+    for opt, g in d[d["size"].isin(largest)].groupby("optimizer"):
+        by = g.groupby("size")["value"]
+        dof = int((by.count() - 1).clip(lower=0).sum())
+        sd = math.sqrt(float(((by.count() - 1) * by.var(ddof=1).fillna(0)).sum()) / dof) if dof else math.nan
+        mean = float(g["value"].mean())
+        out.append({"opt": opt, "mean": mean, "sd": sd, "units": int(by.count().sum()), "sizes": len(by),
+                    "needed": seeds_needed(math.sqrt(2) * sd, mean, cells)})
+    return out
+
+
+def seed_table(results: pd.DataFrame, scheme: str, entries: tuple[str, ...]) -> Table:
+    n_opt = results["optimizer"].nunique()
+    plan = seed_plan(results, scheme, n_opt * len(entries))
+    rows = tuple((label(c["opt"]), f"{c['mean']:.4f}", f"{c['sd']:.4f}", f"{c['sd'] / c['mean']:.2f}",
+                  f"{math.sqrt(2) * c['sd']:.4f}", str(c["units"]), str(c["needed"] or "–"),
+                  str(math.ceil(c["needed"] / c["sizes"])) if c["needed"] else "–") for c in plan)
+    caption = (f"results.parquet: the plain best-LR runs' Δ val loss under {scheme} at the Common Loss, at the "
+               f"{plan[0]['sizes'] if plan else 0} largest sizes; seed sd pooled within size. n for −30 %: "
+               "seeds_needed with the sd of a paired difference taken as √2 · seed sd (no noise shared with the "
+               f"plain run of the seed; an upper bound where the arm shares its trajectory), Holm over {n_opt} "
+               f"optimizers × {len(entries)} entries ({', '.join(entries)}), power {POWER}; seeds = n / sizes.")
+    return Table("robust-seeds", f"Seeds to resolve a 30 % damage cut after Holm ({scheme})",
+                 ("optimizer", "plain damage", "seed sd", "CV", "paired sd (√2·sd)", "units now", "n for −30 %",
+                  "seeds per size"), rows, caption)
 
 
 def _series(df: pd.DataFrame, arm: str, weights: str, scheme: str, metric: str, opt: str) -> pd.Series:
@@ -227,18 +263,24 @@ def robust_section(root: Path, fig_dir: Path) -> Section:
              "(quant/robust.py), measured like the plain runs at the Common Loss. A late-QAT run is the plain "
              "run until its switch step, so where it reaches the Common Loss before the switch its CL model is "
              "the plain one (a difference of exactly 0); its final model shows what QAT changed.")
-    path = Path(root) / ROBUST_FILE
+    path, spec = Path(root) / ROBUST_FILE, _spec(Path(root))
+    results = Path(root) / "results.parquet"
+    plan = (seed_table(read_parquet(results), "w4a4-rtn", tuple(spec.get("robust") or RECOMMENDED_ARM)),) \
+        if results.is_file() else ()
     if not path.is_file():
         return Section("robust", "Robust training", intro,
-                       (not_run("robust", "Robustness", "the study has no robust arm (robust=...)"),))
+                       (not_run("robust", "Robustness", "the study has no robust arm (robust=...)"), *plan))
     df = read_parquet(path)
     schemes = list(dict.fromkeys(df.loc[df["weights"] == "cl", "scheme"]))
     if not schemes:
         return Section("robust", "Robust training", intro, (not_run("robust", "Robustness", "no CL rows"),))
     table, cells = robustness_table(df, schemes[0])
     table = Table(table.key, table.title, table.columns, table.rows, f"{table.caption} Verdict: {verdict(cells)}")
-    spec = (read_json(Path(root) / "study.json") if (Path(root) / "study.json").is_file() else {}).get("spec", {})
     decay = decay_table(df, schemes[0], spec)
     return Section("robust", "Robust training", intro,
                    (table, *filter(None, [decay]), scheme_table(df, schemes), ranking_table(df, schemes[0]),
-                    fig_pareto(df, schemes[0], fig_dir)))
+                    *plan, fig_pareto(df, schemes[0], fig_dir)))
+
+
+def _spec(root: Path) -> dict:
+    return (read_json(root / "study.json") if (root / "study.json").is_file() else {}).get("spec", {})
