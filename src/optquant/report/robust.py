@@ -123,6 +123,10 @@ def _fmt(x: float, digits: int = 4, signed: bool = True) -> str:
     return "–" if not math.isfinite(x) else f"{x:{'+' if signed else ''}.{digits}f}"
 
 
+def _pct(x: float) -> str:
+    return "–" if not math.isfinite(x) else f"{x:+.1f} %"
+
+
 def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
     cells = _cells(df, scheme)
     cols = ("optimizer", "method", "n", "Δ damage (arm − plain) [95 % CI]", "change", "p", "p_Holm",
@@ -130,9 +134,9 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
             "n for −30 %")
     rows = tuple((label(c["opt"]), c["arm"], str(c["test"].n),
                   f"{_fmt(c['test'].mean_diff)} [{_fmt(c['test'].lo)}, {_fmt(c['test'].hi)}]",
-                  f"{_fmt(c['change'], 1)} %", f"{c['test'].p:.3g}", f"{c['test_holm']:.3g}",
+                  _pct(c['change']), f"{c['test'].p:.3g}", f"{c['test_holm']:.3g}",
                   f"{_fmt(c['fp'].mean_diff)} [{_fmt(c['fp'].lo)}, {_fmt(c['fp'].hi)}]", f"{c['fp_holm']:.3g}",
-                  f"{_fmt(c['cost'], 2, False)}×", f"{_fmt(c['rl'], 1)} %", c["reached"],
+                  f"{_fmt(c['cost'], 2, False)}×", _pct(c['rl']), c["reached"],
                   str(c["needed"] or "–")) for c in cells)
     caption = (f"{ROBUST_FILE}: Δ val loss under {scheme} at the Common Loss, paired over (size, seed) with the same "
                f"optimizer's plain best-LR run; exact sign-flip p, Holm over the {len(cells)} cells of each column "
@@ -167,9 +171,9 @@ def scheme_table(df: pd.DataFrame, schemes: list[str]) -> Table:
     per = {s: {(c["opt"], c["arm"]): c for c in _cells(df, s)} for s in schemes}
     keys = list(per[schemes[0]])
     def cell(c: dict | None) -> str:
-        return "–" if c is None else f"{_fmt(c['change'], 1)} % (p_Holm {c['test_holm']:.2g})"
+        return "–" if c is None else f"{_pct(c['change'])} (p_Holm {c['test_holm']:.2g})"
 
-    rows = tuple((opt, arm, *(cell(per[s].get((opt, arm))) for s in schemes)) for opt, arm in keys)
+    rows = tuple((label(opt), arm, *(cell(per[s].get((opt, arm))) for s in schemes)) for opt, arm in keys)
     return Table("robust-schemes", "Robustness per PTQ scheme: change in damage at the Common Loss",
                  ("optimizer", "method", *schemes), rows, "Holm within each scheme's column.")
 
@@ -180,9 +184,11 @@ def ranking_table(df: pd.DataFrame, scheme: str) -> Table:
     arms = ["none", *sorted(a for a in df["arm"].unique() if a != "none")]
     ranks = {arm: rank_with_ties({o: _series(df, arm, "cl", scheme, "delta_val_loss", o) for o in opts})
              for arm in arms}
-    plain = ranks["none"].rank
-    rows = tuple((arm, *(r.label(o) for o in opts), "–" if arm == "none" else
-                  "same" if r.rank == plain else "changed") for arm, r in ranks.items())
+    def same(r) -> str:  # on the optimizers both rank (an optimizer without units has no rank)
+        both = r.rank.keys() & ranks["none"].rank.keys()
+        return "same" if {o: r.rank[o] for o in both} == {o: ranks["none"].rank[o] for o in both} else "changed"
+
+    rows = tuple((arm, *(r.label(o) for o in opts), "–" if arm == "none" else same(r)) for arm, r in ranks.items())
     n = max(r.n_units for r in ranks.values())
     caption = (f"{ROBUST_FILE}: Δ val loss under {scheme} at the Common Loss; rank = 1 + number of optimizers "
                "significantly less damaged (paired exact sign-flip test over (size, seed) units, Holm over the "
@@ -221,7 +227,7 @@ def decay_table(df: pd.DataFrame, scheme: str, spec: dict) -> Table | None:
                                100 * t.mean_diff / base if base > 0 else math.nan))
     ps = holm([t.p for _, t, _, _ in paired]) if paired else []
     for (row, t, f, change), p in zip(paired, ps, strict=True):
-        row[4:] = [f"{_fmt(t.mean_diff)} [{_fmt(t.lo)}, {_fmt(t.hi)}]", f"{_fmt(change, 1)} %", f"{t.p:.3g}",
+        row[4:] = [f"{_fmt(t.mean_diff)} [{_fmt(t.lo)}, {_fmt(t.hi)}]", _pct(change), f"{t.p:.3g}",
                    f"{p:.3g}", f"{_fmt(f.mean_diff)} [{_fmt(f.lo)}, {_fmt(f.hi)}]"]
     up = sum(p < ALPHA and t.mean_diff > 0 for (_, t, _, _), p in zip(paired, ps, strict=True))
     cols = ("optimizer", "decay (fraction of steps)", "n", "final damage [95 % CI]", "Δ damage vs ref. [95 % CI]",
