@@ -391,7 +391,7 @@ def run_sections() -> str:
                        "No QAT section by default (`qat=none`); setting any `qat.*` key creates it with these "
                        "defaults. " + class_doc(QATConfig), field_rows(QATConfig, "qat.")))
     out.append(section("`robust.*` (`RobustConfig`, quant/robust_config.py)", _pre(class_doc(RobustConfig)),
-                       field_rows(RobustConfig, "robust.")))
+                       field_rows(RobustConfig, "robust.")) + "\n" + ROBUST_ARM)
     out.append(section("`log.*` (`LogConfig`, tracking.py)", "Experiment tracking; not part of the run id.",
                        field_rows(LogConfig, "log.")))
     return "\n".join(out)
@@ -446,6 +446,23 @@ def plan_section() -> str:
                    "`GPUConfig` (cost.py): what `optquant train --dry-run` and `optquant study --dry-run` assume "
                    "for the GPU-hours and memory. " + class_doc(GPUConfig),
                    field_rows(GPUConfig, "plan.", choices={"gpu": gpus}), level=2)
+
+
+ROBUST_ARM = """
+**The arm to run, and how many seeds.** `optquant study --preset cpu-robust` runs `RECOMMENDED_ARM`
+(`ema:0.95`, `ema:0.99`, `lawa:2`, `lawa:4`, `decay:0`, `decay:0.4`: each averaging at windows of ~20 and ~100
+steps, the LR decay off and doubled against the plain 0.2) at the default design's two largest sizes (`femto`,
+`pico`) with 14 seeds and no QAT. The number of seeds is the report's Seeds table (report/robust.py
+`seed_plan`) over the default study (`optquant study --preset cpu`, 3 seeds): the plain runs' W4A4 RTN damage
+at the Common Loss has a seed sd, pooled within size, of 0.0029 (SOAP, Shampoo) to 0.0117 (Scion), i.e. a CV of
+0.13 to 0.50. Taking the sd of a paired difference as √2 × that (no noise shared with the plain run; an upper
+bound, since the averaging and decay entries share its trajectory), `seeds_needed` for a 30 % cut, Holm over
+6 optimizers × 6 entries = 36 cells, power 0.8, gives 11 (SOAP), 12 (Shampoo), 20 (Muon), 28 (PSGD), 33 (AdamW)
+and 92 (Scion) (size, seed) units: 14 seeds per size resolve it for four of the six optimizers, Scion's would
+need 46. `optquant study --preset cpu-robust --dry-run` counts 1,008 robust runs and at most 7,672 jobs in all;
+at the default study's mean run times (12 s at `femto`, 62 s at `pico`, its costs.jsonl on the shared 2-core
+machine) the robust runs alone are ~10 worker-hours.
+"""
 
 
 # ----------------------------------------------------------------------------- presets

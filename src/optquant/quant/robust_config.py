@@ -19,6 +19,10 @@ ROBUST_METHODS: tuple[str, ...] = ("none", "penalty", "gain", "late-qat", "ema",
 # `strength` when it is left unset: penalty λ, gain target τ, late-QAT fraction of the steps, EMA decay β
 # (a window of ~50 steps: the study's runs are a few hundred steps long), LAWA's k checkpoints
 DEFAULT_STRENGTH = {"penalty": 0.1, "gain": 4.0, "late-qat": 0.2, "ema": 0.98, "lawa": 5.0}
+# The robust arm the `cpu-robust` study preset runs (issue 32): two strengths of each averaging, windows of ~20
+# and ~100 steps at the default study's 183 (femto) and 545 (pico) steps (lawa keeps a checkpoint every 25),
+# and the LR decay off and doubled against the plain 0.2. The report's Seeds table is its power calculation.
+RECOMMENDED_ARM = ("ema:0.95", "ema:0.99", "lawa:2", "lawa:4", "decay:0", "decay:0.4")
 
 
 @dataclass(frozen=True)
