@@ -186,7 +186,7 @@ _RANGES: dict[str, Range] = {
     "vocab_size": (257, 2**31 - 1, True, True),
     "robust.every": ONE_UP,
 }
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")  # a run's or a study's name: it names a directory
 MAX_NAME = 128  # a run directory's name adds the optimizer and a hash; file names stop at 255 bytes
 
 
@@ -273,10 +273,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise OptquantError(f"optimizer plugin {cfg.optim.name!r} declares no default_lr: set optim.lr=... "
                             f"(in a study: lrs.{cfg.optim.name}=...)")
     _check_fields(cfg, "")
-    if not _NAME.fullmatch(cfg.name) or len(cfg.name) > MAX_NAME:
+    if not NAME.fullmatch(cfg.name) or len(cfg.name) > MAX_NAME:
         raise OptquantError(f"name={cfg.name[:40]!r}{'…' if len(cfg.name) > 40 else ''}: use at most {MAX_NAME} "
                             "letters, digits and . _ + - (it names the run directory)")
-    if cfg.preset and not _NAME.fullmatch(cfg.preset):
+    if cfg.preset and not NAME.fullmatch(cfg.preset):
         raise OptquantError(f"preset={cfg.preset!r}: use letters, digits and . _ + - (it labels the run's size)")
     tc = cfg.train
     if tc.batch_size % tc.grad_accum:

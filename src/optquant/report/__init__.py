@@ -154,8 +154,7 @@ def machine_text(d: StudyData) -> str:
 def render_report(study_dir: str | Path) -> Path:
     """Write STUDY_DIR/report/index.html (+ report/figures/*.png) and return the HTML path."""
     d = load_study(study_dir)
-    out = d.root / "report"
-    fig_dir = out / "figures"
+    fig_dir = d.dir.figures
     fig_dir.mkdir(parents=True, exist_ok=True)
     for stale in fig_dir.glob("*.png"):  # a rebuilt report must not show figures of an earlier build
         stale.unlink()
@@ -163,7 +162,7 @@ def render_report(study_dir: str | Path) -> Path:
     sections = [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir),
                 robust_section(d.root, fig_dir), *filter(None, [bits_section(d.root, fig_dir)]), cost_section(d.root)]
     text = page(title, _header(d), sections, d.spec)
-    path = out / "index.html"
+    path = d.dir.page
     tmp = path.with_suffix(".html.tmp")
     tmp.unlink(missing_ok=True)  # a stale one, or a link planted there: never written through
     with os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w", encoding="utf-8") as f:
@@ -185,8 +184,8 @@ def report_markdown(study_dir: str | Path) -> str:
     """The headline tables (2, LR status, 3, 3c, 3b, 4, MMR/R_L, correlations, CL, 10) and the claims as markdown."""
     d = load_study(study_dir)
     tables = headline_tables(d)
-    if (d.root / "robust.parquet").is_file():  # issue 23's Robustness table, when the study ran the arm
-        tables += [b for b in robust_section(d.root, d.root / "report" / "figures").blocks if isinstance(b, Table)]
+    if d.dir.robust.is_file():  # issue 23's Robustness table, when the study ran the arm
+        tables += [b for b in robust_section(d.root, d.dir.figures).blocks if isinstance(b, Table)]
     head = (f"## optquant study {d.spec.get('name') or d.root.name}\n\n{machine_text(d)}\n\n_{CAVEAT}_\n\n"
             f"_{d.count_note()}_\n")
     return "\n".join([head, *(to_markdown(t) for t in tables)])

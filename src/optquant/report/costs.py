@@ -16,13 +16,14 @@ from pathlib import Path
 from optquant.report.html import Section
 from optquant.report.paper import label
 from optquant.report.tables import Table
+from optquant.runs import StudyDir
 
 PARTS = ("training", "ptq", "analysis", "qat")
 STAGES = ("fp", "cl", "ptq", "outliers", "qat")
 
 
 def read_costs(root: Path) -> list[dict]:
-    path = Path(root) / "costs.jsonl"
+    path = StudyDir(root).costs
     if not path.is_file():
         return []
     out = []

@@ -25,9 +25,11 @@ from optquant.report.figures import Plot, grid, missing, save
 from optquant.report.html import Section
 from optquant.report.paper import label
 from optquant.report.tables import Table, not_run
+from optquant.runs import StudyDir
 from optquant.stats import ALPHA, holm, min_p, paired_test, rank_with_ties
 
-ROBUST_FILE = "robust.parquet"  # study/robust.py writes it (the report does not import the study)
+ROBUST_FILE = StudyDir(Path()).robust.name  # the captions name it
+
 GOAL = (-30.0, 1.3)  # the aim: ≥ 30 % less damage at ≤ 1.3× the training cost
 POWER = 0.8  # the power calculation's target: a 30 % cut is found in 80 % of repeats
 
@@ -177,7 +179,7 @@ def robust_section(root: Path, fig_dir: Path) -> Section:
              "(quant/robust.py), measured like the plain runs at the Common Loss. A late-QAT run is the plain "
              "run until its switch step, so where it reaches the Common Loss before the switch its CL model is "
              "the plain one (a difference of exactly 0); its final model shows what QAT changed.")
-    path = Path(root) / ROBUST_FILE
+    path = StudyDir(root).robust
     if not path.is_file():
         return Section("robust", "Robust training", intro,
                        (not_run("robust", "Robustness", "the study has no robust arm (robust=...)"),))

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optquant.files import open_nofollow
+from optquant.runs import StudyDir
 
 if TYPE_CHECKING:
     from optquant.study.jobs import Job, Result
@@ -202,7 +203,7 @@ def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
     run; each job that runs is logged to `costs` (default: costs.jsonl beside `folder`, i.e. in the
     study directory; no log without either). `pool`: local workers to reuse (a study's)."""
     if costs is None and folder is not None:
-        costs = Path(folder).parent / "costs.jsonl"
+        costs = StudyDir(Path(folder).parent).costs
     results, todo = {}, []
     for job in jobs:
         done = job.done()
