@@ -77,3 +77,22 @@ def test_hf_runs_give_freed_memory_back(monkeypatch, argv, kept):
     monkeypatch.setattr(optquant.device, "keep_freed_memory", lambda: calls.append(1))
     assert main(argv) != 0
     assert bool(calls) is kept
+
+
+def test_every_command_declares_whether_it_keeps_freed_memory():
+    """No special case in the dispatcher: each command's parser sets keep_freed (a forgotten one would fail)."""
+    import argparse
+
+    from optquant.cli import build_parser
+
+    def leaves(parser: argparse.ArgumentParser):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        for child in subs[0].choices.values() if subs else ():
+            yield from leaves(child)
+        if not subs:
+            yield parser
+
+    commands = {p.prog.removeprefix("optquant "): p.get_default("keep_freed") for p in leaves(build_parser())}
+    assert {"train", "study", "ptq", "analyze", "eval", "data prepare"} <= set(commands)
+    assert all(isinstance(v, bool) for v in commands.values()), commands
+    assert not commands["data prepare"] and commands["train"]

@@ -72,9 +72,7 @@ def _dispatch(argv: list[str] | None) -> int:
     # it is expected and harmless, and would be the first line every user sees
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
     args = build_parser().parse_args(argv)
-    # `data prepare` and its workers load no torch; `--hf` runs are bounded by memory, and malloc keeping its
-    # freed blocks makes a process keep its peak: the 0.5B bf16 analyze grew ~0.7 GB of freed heap (issue 33)
-    if args.command != "data" and getattr(args, "hf", None) is None:
+    if args.keep_freed:  # each command declares it (set_defaults); a Hugging Face model (quant.HFModel) clears it
         from optquant.device import keep_freed_memory
 
         keep_freed_memory()  # fewer page faults per step on CPU, the same numbers (device.py)

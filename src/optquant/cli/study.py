@@ -36,17 +36,17 @@ def add_parsers(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the jobs per stage, each run's cost and memory "
                    "and the GPU-hours, run nothing (--set plan.gpu=h100|a100|...)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
-    p.set_defaults(func=_study)
+    p.set_defaults(func=_study, keep_freed=True)
     p = sub.add_parser("fit", help="(re)fit a study's scaling laws and correlations from results.parquet")
     p.add_argument("study_dir", type=Path)
     p.add_argument("--interval", choices=["bootstrap", "loo", "none"], default="bootstrap",
                    help="uncertainty of the fitted parameters (default: bootstrap)")
-    p.set_defaults(func=_fit)
+    p.set_defaults(func=_fit, keep_freed=True)
     p = sub.add_parser("report", help="(re)build a study's HTML report from its files")
     p.add_argument("study_dir", type=Path)
     p.add_argument("--markdown", action="store_true",
                    help="print the headline tables as Markdown (for the README) instead of writing the HTML")
-    p.set_defaults(func=_report)
+    p.set_defaults(func=_report, keep_freed=True)
 
 
 def _study(args: argparse.Namespace) -> int:

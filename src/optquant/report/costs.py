@@ -14,7 +14,6 @@ from collections import defaultdict
 from pathlib import Path
 
 from optquant.report.html import Section
-from optquant.report.paper import label
 from optquant.report.tables import Table
 from optquant.runs import StudyDir
 
@@ -75,7 +74,7 @@ def optimizer_table(records: list[dict]) -> Table:
     for r in records:
         for part, s in r.get("parts", {}).items():
             sums[r.get("optimizer") or "?"][part] += s
-    rows = [(label(o), *(_hms(sums[o][p]) if sums[o][p] else "–" for p in PARTS), _hms(sum(sums[o].values())))
+    rows = [(o, *(_hms(sums[o][p]) if sums[o][p] else "–" for p in PARTS), _hms(sum(sums[o].values())))
             for o in sorted(sums)]
     return Table("cost-optimizers", "Wall time per optimizer and part", ("optimizer", *PARTS, "total"),
                  tuple(rows), caption="Worker-seconds per optimizer: FP and CL training, PTQ (quantize, "

@@ -88,7 +88,7 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
     cols = ("optimizer", "method", "n", "Δ damage (arm − plain) [95 % CI]", "change", "p", "p_Holm",
             "Δ final FP loss [95 % CI]", "p_Holm FP", "step time ×", "R_L change", "CL reached",
             "n for −30 %")
-    rows = tuple((label(c["opt"]), c["arm"], str(c["test"].n),
+    rows = tuple((c["opt"], c["arm"], str(c["test"].n),
                   f"{_fmt(c['test'].mean_diff)} [{_fmt(c['test'].lo)}, {_fmt(c['test'].hi)}]",
                   f"{_fmt(c['change'], 1)} %", f"{c['test'].p:.3g}", f"{c['test_holm']:.3g}",
                   f"{_fmt(c['fp'].mean_diff)} [{_fmt(c['fp'].lo)}, {_fmt(c['fp'].hi)}]", f"{c['fp_holm']:.3g}",
