@@ -21,7 +21,7 @@ loading torch).
       study.json        the spec, each size's parameter counts and the machine, written at each start
       runs/<run id>/    the study's runs (RunDir)
       submitit/         the Slurm executors' job files
-      costs.jsonl       one line per job the executor ran: its wall time (report/costs.py)
+      costs.jsonl       one line per job the executor ran: its wall time (report/timings.py)
       results.parquet   one row per run × scheme × metric (study/results.py), with correlations.parquet,
                         fits.json (the scaling fits) and best.json (each LR search's outcome)
       robust.parquet    the robust arm's rows (study/robust.py), when the study ran one

@@ -20,7 +20,6 @@ from optquant.files import open_nofollow
 from optquant.report import curves, figures, paper
 from optquant.report.bit_plans import bits_section
 from optquant.report.claims import claims_table
-from optquant.report.costs import cost_section
 from optquant.report.html import Section, page
 from optquant.report.load import StudyData, load_study
 from optquant.report.protocol import cl_table, correlation_table, cost_table, lr_status_table, tuning_table
@@ -38,6 +37,7 @@ from optquant.report.tables import (
     task_tables,
     to_markdown,
 )
+from optquant.report.timings import timing_section
 
 __all__ = ["headline_tables", "render_report", "report_markdown"]
 
@@ -160,7 +160,7 @@ def render_report(study_dir: str | Path) -> Path:
         stale.unlink()
     title = f"optquant report — {d.spec.get('name') or d.root.name}"
     sections = [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir),
-                robust_section(d.root, fig_dir), *filter(None, [bits_section(d.root, fig_dir)]), cost_section(d.root)]
+                robust_section(d.root, fig_dir), *filter(None, [bits_section(d.root, fig_dir)]), timing_section(d.root)]
     text = page(title, _header(d), sections, d.spec)
     path = d.dir.page
     tmp = path.with_suffix(".html.tmp")
