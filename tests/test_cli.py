@@ -84,6 +84,13 @@ def test_every_study_preset_is_a_cli_preset(capsys):
     assert main(["study", "--preset", "huge", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"optquant: error: unknown study preset 'huge'; choose one of {', '.join(STUDY_PRESETS)}"
+    import argparse
+
+    from optquant.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    text = next(a.help for a in commands["study"]._actions if a.dest == "preset")  # --help, torch-free: typed
+    assert all(f" {name}" in text for name in STUDY_PRESETS), text
 
 
 def test_ptq_flags_take_their_choices_and_defaults_from_ptqconfig():
