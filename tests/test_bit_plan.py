@@ -321,7 +321,7 @@ def test_the_study_plans_each_cl_model_once_and_the_report_shows_them(nano_run, 
     assert written.read_bytes() == before
     cli.rename(tmp_path / "bits" / "mine.json")
     table, *figs = bits_section(tmp_path, tmp_path / "figures").blocks
-    assert [r[:3] for r in table.rows] == [("mine", "–", "1"), ("nano", "adamw", "1")]
+    assert [r[:3] for r in table.rows] == [("mine", "–", "1"), ("nano", "AdamW", "1")]
     assert len(figs) == 2 and all(isinstance(f, Plot) and (tmp_path / f.src).is_file() for f in figs)
     top = str(max(record["choices"]))
     gains = {m: max(v["gains"][top], 0) for m, v in record["modules"].items()}

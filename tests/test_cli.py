@@ -84,3 +84,34 @@ def test_every_study_preset_is_a_cli_preset(capsys):
     assert main(["study", "--preset", "huge", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"optquant: error: unknown study preset 'huge'; choose one of {', '.join(STUDY_PRESETS)}"
+    import argparse
+
+    from optquant.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    text = next(a.help for a in commands["study"]._actions if a.dest == "preset")  # --help, torch-free: typed
+    assert all(f" {name}" in text for name in STUDY_PRESETS), text
+
+
+def test_ptq_flags_take_their_choices_and_defaults_from_ptqconfig():
+    """--method/--format/--grid/--rotation list PTQConfig's own Literal values; no flag given is PTQConfig()."""
+    import argparse
+    import dataclasses
+    import typing
+
+    from optquant.cli import build_parser
+    from optquant.cli.quant import SCHEME_FLAGS, _ptq_config
+    from optquant.quant.ptq import PTQConfig
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    hints = typing.get_type_hints(PTQConfig)
+    assert set(SCHEME_FLAGS) <= {f.name for f in dataclasses.fields(PTQConfig)}
+    for name in ("ptq", "analyze", "bits"):
+        choices = {a.dest: tuple(a.choices) for a in commands[name]._actions if a.choices}
+        assert {f: choices[f] for f in ("method", "format", "grid", "rotation")} == \
+               {f: typing.get_args(hints[f]) for f in ("method", "format", "grid", "rotation")}
+        assert _ptq_config(parser.parse_args([name, "r", "--avg-bits", "4"][:None if name == "bits" else 2])) \
+            == PTQConfig()
+    assert _ptq_config(parser.parse_args(["ptq", "r", "--group-size", "32", "--act-order"])) == \
+        PTQConfig(w_group_size=32, act_order=True)

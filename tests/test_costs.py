@@ -11,7 +11,7 @@ import pytest
 from optquant.config import apply_overrides
 from optquant.harness import HarnessConfig
 from optquant.ptq_stage import AnalysisConfig, ptq_analysis, ptq_damage, scheme_config
-from optquant.report.costs import cost_section, read_costs, utilisation
+from optquant.report.timings import read_timings, timing_section, utilisation
 from optquant.study import executor
 from optquant.study.executor import estimate_cost, execute, longest_first
 from optquant.study.jobs import PTQJob, TrainJob
@@ -43,7 +43,7 @@ def test_costs_logged_and_finished_jobs_not_rerun(nano_cfg, tmp_path, monkeypatc
     jobs = [_train_job(nano_cfg, tmp_path, f"r{i}", "train.steps=6", f"seed={i}", "name=study-x") for i in range(2)]
     qat = _train_job(nano_cfg, tmp_path, "q", "train.steps=6", "qat.method=quest")
     results = execute([*jobs, qat], "local", 1, tmp_path / "submitit")
-    records = read_costs(tmp_path)
+    records = read_timings(tmp_path)
     assert sorted(r["key"] for r in records) == ["q", "r0", "r1"]
     by_key = {r["key"]: r for r in records}
     assert by_key["r0"]["stage"] == "fp" and by_key["q"]["stage"] == "qat"
@@ -53,7 +53,7 @@ def test_costs_logged_and_finished_jobs_not_rerun(nano_cfg, tmp_path, monkeypatc
     # a second submission of finished runs is answered from their files: no worker, no new cost line
     monkeypatch.setattr(executor, "timed_job", lambda job: pytest.fail(f"{job.key} was rerun"))
     again = execute([*jobs, qat], "local", 1, tmp_path / "submitit")
-    assert again == results and len(read_costs(tmp_path)) == 3
+    assert again == results and len(read_timings(tmp_path)) == 3
 
 
 def test_ptq_job_loads_once_and_matches_separate_calls(nano_cfg, tmp_path, monkeypatch):
@@ -95,17 +95,17 @@ def test_a_finished_ptq_job_is_answered_from_files_only_when_they_cover_it(nano_
     assert job(mc_items=0, harness=HarnessConfig(tasks=("some_task",))).done() is None
 
 
-def test_cost_section_from_the_executor_log(nano_cfg, tmp_path):
+def test_timing_section_from_the_executor_log(nano_cfg, tmp_path):
     jobs = [_train_job(nano_cfg, tmp_path, f"r{i}", "train.steps=4", f"seed={i}") for i in range(2)]
     execute(jobs, "local", 1, tmp_path / "submitit")
-    records = read_costs(tmp_path)
+    records = read_timings(tmp_path)
     assert 0 < utilisation(records) <= 1.0 + 1e-9
-    section = cost_section(tmp_path)
+    section = timing_section(tmp_path)
     stages, (per_opt, shares) = section.blocks
     assert stages.rows[0][0] == "fp" and stages.rows[0][1] == "2" and stages.rows[-1][0] == "all"
     assert per_opt.rows[0][0] == "AdamW" and shares.rows[0][0] == "training" and shares.rows[0][2] == "100.0 %"
     (tmp_path / "costs.jsonl").write_text("")
-    assert "no cost log" in cost_section(tmp_path).blocks[0].missing
+    assert "no cost log" in timing_section(tmp_path).blocks[0].missing
 
 
 def test_a_studys_batches_share_one_pool_of_workers(nano_cfg, tmp_path):
@@ -116,7 +116,7 @@ def test_a_studys_batches_share_one_pool_of_workers(nano_cfg, tmp_path):
     with executor.WorkerPool(2) as pool:
         for jobs in batches[:2]:
             execute(jobs, "local", 2, tmp_path / "submitit", pool=pool)
-    shared = {r["worker"] for r in read_costs(tmp_path)}
-    assert len(read_costs(tmp_path)) == 4 and len(shared) <= 2
+    shared = {r["worker"] for r in read_timings(tmp_path)}
+    assert len(read_timings(tmp_path)) == 4 and len(shared) <= 2
     execute(batches[2], "local", 2, tmp_path / "submitit")
-    assert not {r["worker"] for r in read_costs(tmp_path)[4:]} & shared
+    assert not {r["worker"] for r in read_timings(tmp_path)[4:]} & shared

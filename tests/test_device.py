@@ -94,3 +94,23 @@ def test_hf_runs_give_freed_memory_back(monkeypatch, argv, which):
         monkeypatch.setattr(optquant.device, f"{name}_freed_memory", lambda name=name: calls.append(name))
     assert main(argv) != 0
     assert calls == [which]
+
+
+def test_every_command_declares_its_freed_memory_policy():
+    """No special case in the dispatcher: each command's parser sets its freed-memory policy (a forgotten one
+    would fail): keep, return, or None for the commands that load no torch."""
+    import argparse
+
+    from optquant.cli import build_parser
+
+    def leaves(parser: argparse.ArgumentParser):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        for child in subs[0].choices.values() if subs else ():
+            yield from leaves(child)
+        if not subs:
+            yield parser
+
+    commands = {p.prog.removeprefix("optquant "): p.get_default("freed_memory") for p in leaves(build_parser())}
+    assert {"train", "study", "ptq", "analyze", "eval", "data prepare"} <= set(commands)
+    assert all(v in ("keep", "return", None) for v in commands.values()), commands
+    assert commands["data prepare"] is None and commands["train"] == "keep"

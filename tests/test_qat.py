@@ -19,7 +19,7 @@ from torch import nn
 from optquant.errors import OptquantError
 from optquant.model import LM, lm_loss, model_config
 from optquant.optim import OPTIMIZERS, build_optimizers
-from optquant.quant.hadamard import block_hadamard
+from optquant.quant.hadamard import block_hadamard, rotate_blocks
 from optquant.quant.primitives import QuantSpec, fake_quant
 from optquant.quant.qat import (
     IntLinear,
@@ -335,3 +335,12 @@ def test_lsq_and_ste_train():
     for cfg in (QATConfig(method="lsq"), QATConfig(method="ste")):
         losses = _train("adamw", cfg, steps=20)
         assert sum(losses[-3:]) / 3 < 0.85 * losses[0]
+
+
+def test_quest_rotation_is_the_block_hadamard_product():
+    """QAT's rotation (hadamard.rotate_blocks) is x·blockdiag(H_b, …), and orthonormal: applied twice it is x."""
+    x = torch.randn(3, 5, 96, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for block in (32, 16):
+        y = rotate_blocks(x, block)
+        torch.testing.assert_close(y, x @ block_hadamard(96, block, torch.float64))
+        torch.testing.assert_close(rotate_blocks(y, block), x)

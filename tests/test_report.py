@@ -29,7 +29,7 @@ from optquant.report.design import NOT_TESTABLE
 from optquant.report.load import load_study
 from optquant.report.protocol import cl_table, correlation_table, cost_table, lr_status_table, tuning_table
 from optquant.report.scaling import fit_diagnostics_table, table10, table10_joint
-from optquant.report.tables import column_digits, table2, table3
+from optquant.report.tables import Table, column_digits, table2, table3
 from optquant.stats import NOT_RESOLVED, summarize
 
 VERDICTS = {"supported", "contradicted", NOT_RESOLVED}
@@ -466,3 +466,14 @@ def test_columns_are_printed_at_the_precision_of_their_intervals():
     assert column_digits(loose, 4) == 3  # ~4e-3: three
     assert column_digits([summarize([1.0])], 4) == 4  # no interval: the column's default
     assert Summary(-0.00001, 0.001, 3, -0.002, 0.002).text(3, signed=True) == "0.000 ± 0.001 [-0.002, +0.002] (n=3)"
+
+
+def test_every_table_names_optimizers_by_their_label():
+    """One formatter at the table layer: a table built from raw names shows the paper's label in an optimizer
+    column and in headers, a plugin's path shortened, other cells as given; a rebuilt table is unchanged."""
+    plugin = "examples/lion.py:make_optimizer"
+    t = Table("k", "t", ("optimizer", "adamw", plugin, "muon rate"),
+              (("muon", "soap", plugin, "x"), (plugin, "adamw", "1", "2")))
+    assert t.columns == ("optimizer", "AdamW", "lion.py:make_optimizer", "muon rate")
+    assert t.rows == (("Muon", "soap", plugin, "x"), ("lion.py:make_optimizer", "adamw", "1", "2"))
+    assert replace(t, caption="c").rows == t.rows

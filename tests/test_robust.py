@@ -306,7 +306,7 @@ def test_ranking_table_ranks_the_optimizers_under_each_method_with_ties():
     muon = _robust_frame(cut=0.25, fp_cost=0.0).assign(optimizer="muon")
     muon.loc[muon["metric"] == "delta_val_loss", "value"] *= 2  # plain muon: twice adamw's damage, arm: half
     table = ranking_table(pd.concat([adamw, muon]), "w4a4-rtn")
-    assert table.columns == ("method", "adamw", "muon", "vs none")
+    assert table.columns == ("method", "AdamW", "Muon", "vs none")  # headers named as every table names them
     assert table.rows == (("none", "1", "2", "–"), ("penalty:1", "2", "1", "changed"))
     few = pd.concat([adamw, muon])
     few = few[few["seed"] < 2]  # 4 units: smallest p 1/8 > α, every rank tied

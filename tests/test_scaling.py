@@ -1,4 +1,4 @@
-"""Tests for optquant.scaling (law, fit, design, intervals, diagnostics).
+"""Tests for optquant.scaling (law, fit, solver, intervals, diagnostics).
 
 Strategy: losses generated from a known law L = A/(N·ρ)^α + E (A = 400, α = 0.3, E = 1.8, ρ_4bit = 0.85,
 six sizes from 1e6 to 1e9, FP and QAT) must give the parameters back: exactly without noise, within
@@ -22,8 +22,8 @@ from scipy.optimize import check_grad
 
 from optquant.errors import OptquantError
 from optquant.scaling import FitConfig, JointFit, LawFit, ScalingPoint, fit_joint, fit_law, fit_laws, judge, predict
-from optquant.scaling.design import joint_design, objective
 from optquant.scaling.intervals import resampling_strata
+from optquant.scaling.solver import joint_design, objective
 
 TRUE = dict(A=400.0, alpha=0.3, E=1.8)
 SIZES = np.geomspace(1e6, 1e9, 6)

@@ -1,5 +1,6 @@
-"""Run records: a run is a directory named from its config hash, laid out by `RunDir` alone (torch-free
-at import, so that the report can read runs without loading torch).
+"""Run records: a run is a directory named from its config hash, laid out by `RunDir` alone, and a study's
+directory, laid out by `StudyDir` alone (torch-free at import, so that the report can read them without
+loading torch).
 
     <root>/<name>-<optimizer>-<hash>/
       config.json       the resolved config + package version, git commit, torch version
@@ -15,6 +16,17 @@ at import, so that the report can read runs without loading torch).
       lm_eval.json      `optquant eval`'s lm-eval scores
       .lock             one writer at a time (fcntl, released when its process dies); holds who has it;
                         a PTQ directory (and ptq/, for outliers.json) has its own
+
+    <study>/            optquant study's output (study/plan.py)
+      study.json        the spec, each size's parameter counts and the machine, written at each start
+      runs/<run id>/    the study's runs (RunDir)
+      submitit/         the Slurm executors' job files
+      costs.jsonl       one line per job the executor ran: its wall time (report/timings.py)
+      results.parquet   one row per run × scheme × metric (study/results.py), with correlations.parquet,
+                        fits.json (the scaling fits) and best.json (each LR search's outcome)
+      robust.parquet    the robust arm's rows (study/robust.py), when the study ran one
+      bits/<name>.json  bit plans from optquant bits, shown by the report
+      report/index.html the report, with report/figures/*.png
 """
 
 from __future__ import annotations
@@ -116,6 +128,43 @@ class RunDir:
     def is_run(self) -> bool:
         """Whether the directory holds a run's files (a trained or training run)."""
         return any(p.exists() for p in (self.summary, self.metrics, self.checkpoint, self.path / LOCK))
+
+
+@dataclass(frozen=True)
+class StudyDir:
+    """Every path inside one study directory (the layout above); no other module spells one."""
+
+    path: Path
+    study = _file("study.json")
+    runs = _file("runs")
+    submitit = _file("submitit")
+    costs = _file("costs.jsonl")
+    results = _file("results.parquet")
+    correlations = _file("correlations.parquet")
+    fits = _file("fits.json")
+    best = _file("best.json")
+    robust = _file("robust.parquet")
+    bits = _file("bits")
+    report = _file("report")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def figures(self) -> Path:
+        return self.report / "figures"
+
+    @property
+    def page(self) -> Path:
+        """The report's HTML page."""
+        return self.report / "index.html"
+
+    def run(self, run_id: str) -> RunDir:
+        return RunDir(self.runs / run_id)
+
+    def is_study(self) -> bool:
+        """Whether the directory holds a study's own files (one that started, or that has results)."""
+        return self.study.exists() or self.results.exists()
 
 
 @functools.lru_cache(maxsize=1)

@@ -72,13 +72,11 @@ def _dispatch(argv: list[str] | None) -> int:
     # it is expected and harmless, and would be the first line every user sees
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
     args = build_parser().parse_args(argv)
-    # `data prepare` and its workers load no torch; `--hf` runs are bounded by memory, and malloc keeping its
-    # freed blocks makes a process keep its peak: the 0.5B bf16 analyze grew ~0.7 GB of freed heap (issue 33)
-    if args.command != "data":
-        from optquant.device import keep_freed_memory, return_freed_memory
+    if args.freed_memory:  # each command declares its policy (set_defaults); --hf (quant.HFModel) sets "return"
+        from optquant import device
 
         # fewer page faults per step on CPU, or (--hf) freed memory back to the kernel; the same numbers (device.py)
-        (keep_freed_memory if getattr(args, "hf", None) is None else return_freed_memory)()
+        (device.keep_freed_memory if args.freed_memory == "keep" else device.return_freed_memory)()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

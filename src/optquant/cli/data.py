@@ -46,11 +46,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--executor", choices=["local", "slurm", "submitit-local"], default="local",
                    help="local processes, or Slurm through submitit (submitit-local: the same on this machine)")
     p.add_argument("--jobs", type=int, default=1, help="cluster jobs the files are spread over (default 1)")
-    p.set_defaults(func=_prepare)
+    p.set_defaults(func=_prepare, freed_memory=None)  # loads no torch, nor do its workers
     p = verbs.add_parser("info", help="the manifest of a prepared directory, checked: tokens, documents, tokenizer")
     p.add_argument("dir", type=Path)
     p.add_argument("--json", action="store_true", help="print the whole manifest")
-    p.set_defaults(func=_info)
+    p.set_defaults(func=_info, freed_memory=None)
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from optquant.cli.quant import HFModel
 from optquant.errors import OptquantError
 
 
@@ -59,7 +60,8 @@ def _add_eval_parser(sub) -> None:
                        "  optquant eval --hf path/to/model --tasks mytask --include-path my_tasks/",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, nargs="?", help="a finished run directory (or use --hf)")
-    p.add_argument("--hf", type=Path, metavar="PATH", help="a local Hugging Face causal LM folder (needs optquant[hf])")
+    p.add_argument("--hf", type=Path, action=HFModel, metavar="PATH",
+                   help="a local Hugging Face causal LM folder (needs optquant[hf])")
     p.add_argument("--tokenizer", type=Path, metavar="PATH", help="with --hf: a tokenizer folder or tokenizer.json "
                    "for a checkpoint without one (EOS: its own, else config.json's eos_token_id)")
     p.add_argument("--tasks", default="piqa,hellaswag,arc_easy", help="comma-separated lm-eval task names "
@@ -68,7 +70,7 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--limit", type=int, help="score only the first N items of each task")
     p.add_argument("--weights", choices=["final", "cl"], default="final", help="a run's final or Common-Loss weights")
     p.add_argument("--out", type=Path, help="results JSON (default: RUN/lm_eval.json or hf-analysis/<name>/)")
-    p.set_defaults(func=_eval)
+    p.set_defaults(func=_eval, freed_memory="keep")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -91,4 +93,4 @@ def _add_export_parser(sub) -> None:
                    help="final weights or the Common-Loss checkpoint")
     p.add_argument("--force", action="store_true", help="overwrite an earlier export at OUT (never a run, a study "
                    "or another file)")
-    p.set_defaults(func=_export)
+    p.set_defaults(func=_export, freed_memory=None)  # writes an HF folder (no training steps to speed up)

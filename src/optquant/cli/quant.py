@@ -8,6 +8,17 @@ import json
 from pathlib import Path
 
 from optquant.errors import OptquantError
+from optquant.quant.choices import FORMATS, GRIDS, METHODS, ROTATIONS
+
+
+class HFModel(argparse.Action):
+    """--hf PATH, a Hugging Face model: the command gives freed memory back (freed_memory="return"). An HF run is
+    bounded by memory, and malloc keeping its freed blocks makes a process keep its peak: the 0.5B bf16
+    analyze grew ~0.7 GB of freed heap (issue 33)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.freed_memory = "return"
 
 
 def add_parsers(sub) -> None:
@@ -15,12 +26,12 @@ def add_parsers(sub) -> None:
                        description="Post-training quantization of a run's model; the paper's scheme is "
                        "the default (W4A4 symmetric absmax RTN, weights per channel, activations per token).")
     _add_flags(p)
-    p.set_defaults(func=_quantized)
+    p.set_defaults(func=_quantized, freed_memory="keep")
     p = sub.add_parser("analyze", help="outlier metrics (MMR, kurtosis) and the ABC error propagation",
                        description="Per-layer MMR/kurtosis of the FP model and the ABC decomposition "
                        "(R, A, B, C, gains G, G1, G2 per module) against its quantized copy.")
     _add_flags(p)
-    p.set_defaults(func=_quantized)
+    p.set_defaults(func=_quantized, freed_memory="keep")
     p = sub.add_parser("bits", help="a per-module bit plan at an average bit budget, from the ABC decomposition",
                        description="Bits per linear layer (from --choices) whose parameter-weighted average is at "
                        "most --avg-bits, ranked by each module's share of R_L (the error at the logits; --score "
@@ -36,22 +47,29 @@ def add_parsers(sub) -> None:
                    help="the plan file to write (default plan.json)")
     p.add_argument("--recipe", type=Path, help="also write the plan as an llm-compressor recipe (YAML)")
     p.add_argument("--torchao", type=Path, help="also write a torchao snippet applying the plan")
-    p.set_defaults(func=_bits)
+    p.set_defaults(func=_bits, freed_memory="keep")
+
+
+# The PTQConfig fields the scheme's flags set (their dests); a flag not given leaves PTQConfig's default.
+SCHEME_FLAGS = ("method", "w_bits", "a_bits", "format", "grid", "w_group_size", "rotation", "act_order",
+                "quantize_head")
 
 
 def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, nargs="?", help="a finished run directory (from optquant train), or use --hf")
-    p.add_argument("--method", choices=["rtn", "gptq"], default="rtn")
-    p.add_argument("--w-bits", type=int, default=4, help="weight bits (16 = not quantized)")
-    p.add_argument("--a-bits", type=int, default=4, help="activation bits (16 = weight-only)")
-    p.add_argument("--format", choices=["int", "mxfp4", "nvfp4"], default="int")
-    p.add_argument("--grid", choices=["sym", "sym8", "full", "odd", "asym"], default="sym",
+    p.add_argument("--method", choices=METHODS)
+    p.add_argument("--w-bits", type=int, help="weight bits (16 = not quantized)")
+    p.add_argument("--a-bits", type=int, help="activation bits (16 = weight-only)")
+    p.add_argument("--format", choices=FORMATS)
+    p.add_argument("--grid", choices=GRIDS,
                    help="integer grid: sym [-7,7], scale absmax/7 (default, the paper's); sym8 [-8,7] (llama.cpp "
                    "Q4_0); full [-8,7], scale absmax/7.5 (llm-compressor, torchao); odd (16 levels, no zero); asym")
-    p.add_argument("--group-size", type=int, default=0, help="weight group size (0 = per output channel)")
-    p.add_argument("--rotation", choices=["none", "hadamard"], default="none")
-    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing Hessian")
-    p.add_argument("--quantize-head", action="store_true", help="also quantize the LM head")
+    p.add_argument("--group-size", type=int, dest="w_group_size", metavar="GROUP_SIZE",
+                   help="weight group size (0 = per output channel)")
+    p.add_argument("--rotation", choices=ROTATIONS)
+    p.add_argument("--act-order", action="store_true", default=None,
+                   help="GPTQ: quantize columns by decreasing Hessian")
+    p.add_argument("--quantize-head", action="store_true", default=None, help="also quantize the LM head")
     p.add_argument("--weights", choices=["final", "cl"], default="final",
                    help="final weights or the Common-Loss checkpoint")
     p.add_argument("--mc-items", type=int, default=200, help="multiple-choice items (0 = skip)")
@@ -63,8 +81,8 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_hf_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Hugging Face models (needs pip install 'optquant[hf]')")
-    g.add_argument("--hf", type=Path, metavar="PATH", help="analyse a local Hugging Face causal LM folder "
-                   "(Llama, Mistral, Qwen2, Qwen3, OLMo2) instead of a run; nothing is downloaded")
+    g.add_argument("--hf", type=Path, action=HFModel, metavar="PATH", help="analyse a local Hugging Face causal LM "
+                   "folder (Llama, Mistral, Qwen2, Qwen3, OLMo2) instead of a run; nothing is downloaded")
     g.add_argument("--data", default="embedded", metavar="SRC", help="with --hf: the text to evaluate on, "
                    "encoded with the folder's tokenizer (default: the embedded corpus; or .txt/.jsonl/.parquet, or a "
                    "directory from optquant data prepare --tokenizer <the model's>)")
@@ -92,9 +110,7 @@ def _ptq_config(args: argparse.Namespace):
             return PTQConfig(**ptq, plan=tuple(bits.items()))
         except TypeError as e:
             raise OptquantError(f"{args.plan}: its ptq record is not a scheme ({e})") from None
-    return PTQConfig(method=args.method, w_bits=args.w_bits, a_bits=args.a_bits, format=args.format,
-                     grid=args.grid, w_group_size=args.group_size, quantize_head=args.quantize_head,
-                     rotation=args.rotation, act_order=args.act_order)
+    return PTQConfig(**{f: getattr(args, f) for f in SCHEME_FLAGS if getattr(args, f) is not None})
 
 
 def _analysis_config(args: argparse.Namespace):

@@ -28,25 +28,25 @@ def add_parsers(sub) -> None:
                        description="Runs (or resumes) the whole pipeline. Presets: smoke (every stage at toy scale), "
                        "cpu (the default; a 2-core CPU), gpu, paper. Rerunning a killed study redoes nothing "
                        "that finished.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", metavar="NAME", help="study preset: smoke, cpu (the default), cpu-thorough, gpu or "
-                   "paper (docs/configuration.md, Study presets)")
+    p.add_argument("--preset", metavar="NAME", help="study preset: smoke, cpu (the default), cpu-robust, "
+                   "cpu-thorough, gpu or paper (docs/configuration.md, Study presets)")
     p.add_argument("--config", type=Path, help="TOML file of study settings")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a study setting (repeatable)")
     p.add_argument("--out", type=Path, help="study directory (default: studies/<preset>)")
     p.add_argument("--dry-run", action="store_true", help="print the jobs per stage, each run's cost and memory "
                    "and the GPU-hours, run nothing (--set plan.gpu=h100|a100|...)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
-    p.set_defaults(func=_study)
+    p.set_defaults(func=_study, freed_memory="keep")
     p = sub.add_parser("fit", help="(re)fit a study's scaling laws and correlations from results.parquet")
     p.add_argument("study_dir", type=Path)
     p.add_argument("--interval", choices=["bootstrap", "loo", "none"], default="bootstrap",
                    help="uncertainty of the fitted parameters (default: bootstrap)")
-    p.set_defaults(func=_fit)
+    p.set_defaults(func=_fit, freed_memory="keep")
     p = sub.add_parser("report", help="(re)build a study's HTML report from its files")
     p.add_argument("study_dir", type=Path)
     p.add_argument("--markdown", action="store_true",
                    help="print the headline tables as Markdown (for the README) instead of writing the HTML")
-    p.set_defaults(func=_report)
+    p.set_defaults(func=_report, freed_memory="keep")
 
 
 def _study(args: argparse.Namespace) -> int:
@@ -103,10 +103,11 @@ class Progress:
 
         from tqdm import tqdm
 
+        from optquant.runs import StudyDir
         from optquant.study.progress import CostETA
 
         self.eta, self.stream, self.quiet, self.stage = CostETA(spec, time.time()), stream, quiet, "start"
-        self.costs = Path(root) / "costs.jsonl"
+        self.costs = StudyDir(root).costs
         self.offset = self.costs.stat().st_size if self.costs.is_file() else 0  # a resumed study's old lines
         try:
             cols = os.get_terminal_size(stream.fileno()).columns if stream.isatty() else 0
@@ -203,6 +204,7 @@ class Progress:
 
 def _fit(args: argparse.Namespace) -> int:
     from optquant.report.scaling import verdict
+    from optquant.runs import StudyDir
     from optquant.study.results import refit
 
     with _study_files(args.study_dir):
@@ -215,7 +217,8 @@ def _fit(args: argparse.Namespace) -> int:
         print(f"joint (headline) rho_4bit: {rho}  {verdict(joint)}")
     for what, error in fits["errors"].items():
         print(f"{what}: not fitted ({error})")
-    print(f"written: {args.study_dir}/fits.json and correlations.parquet")
+    files = StudyDir(args.study_dir)
+    print(f"written: {files.fits} and {files.correlations.name}")
     return 0
 
 
@@ -231,10 +234,11 @@ def _study_files(study_dir: Path):
 
 def _report(args: argparse.Namespace) -> int:
     from optquant.report import render_report, report_markdown
+    from optquant.runs import StudyDir
 
-    if not any((Path(args.study_dir) / f).is_file() for f in ("study.json", "results.parquet")):
-        raise OptquantError(f"{args.study_dir}: not a study directory (no study.json or results.parquet; "
-                            "run optquant study first)")
+    if not (files := StudyDir(args.study_dir)).is_study():
+        raise OptquantError(f"{args.study_dir}: not a study directory (no {files.study.name} or "
+                            f"{files.results.name}; run optquant study first)")
     with _study_files(args.study_dir):
         if args.markdown:  # the headline tables for the README, from the same Table objects as the HTML page
             print(report_markdown(args.study_dir))

@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the run's cost and peak memory, train nothing "
                    "(--set plan.gpu=a100 --set plan.mfu=0.35 choose the accelerator)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, freed_memory="keep")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from optquant.files import temp_path
 from optquant.hf import require_transformers
 from optquant.model import LM
 from optquant.ptq_stage import load_run_model, run_tokens
-from optquant.runs import RunDir, Weights
+from optquant.runs import RunDir, StudyDir, Weights
 
 
 def rope_permutation(head_dim: int) -> torch.Tensor:
@@ -79,12 +79,9 @@ def llama_config(model: LM, eot_id: int):
     )
 
 
-STUDY_FILES = ("study.json", "results.parquet")
-
-
 def _holds_results(path: Path) -> bool:
     """A run's or a study's directory."""
-    return RunDir(path).is_run() or any((path / f).exists() for f in STUDY_FILES)
+    return RunDir(path).is_run() or StudyDir(path).is_study()
 
 
 def _is_export(path: Path) -> bool:

@@ -34,6 +34,18 @@ def hadamard(n: int, dtype: torch.dtype = torch.float32) -> Tensor:
     return _hadamard64(n).to(dtype)
 
 
+@functools.lru_cache(maxsize=32)
+def _hadamard_on(block: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return hadamard(block, dtype).to(device)  # rounded from fp64 per dtype: never a buffer .double() spoils
+
+
+def rotate_blocks(x: Tensor, block: int) -> Tensor:
+    """x·blockdiag(H_b, …, H_b) along the last axis (orthonormal Hadamard blocks of size b), one dense matmul;
+    QuEST's rotation in QAT (quant/qat.py). rotate.py's OnlineHadamard factors larger blocks instead."""
+    H = _hadamard_on(block, x.dtype, x.device)
+    return (x.reshape(*x.shape[:-1], -1, block) @ H).reshape(x.shape)
+
+
 def block_hadamard(n: int, block: int | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
     """Block-diagonal orthonormal Hadamard of size n with blocks of `block` (default: the largest
     power of two dividing n). Orthonormal for every n."""

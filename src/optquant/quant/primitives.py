@@ -47,12 +47,9 @@ from torch import Tensor
 
 from optquant.errors import OptquantError
 from optquant.quant import formats
+from optquant.quant.choices import FORMATS, GRIDS, Format, Grid
 
-Format = Literal["int", "mxfp4", "nvfp4"]
-Grid = Literal["sym", "sym8", "full", "odd", "asym"]
 Granularity = Literal["tensor", "channel", "token", "group"]
-GRIDS: tuple[str, ...] = ("sym", "sym8", "full", "odd", "asym")
-FORMATS: tuple[str, ...] = ("int", "mxfp4", "nvfp4")
 GRANULARITIES: tuple[str, ...] = ("tensor", "channel", "token", "group")
 OFF = 16  # a PTQ / QAT w_bits or a_bits of 16 means "not quantized"
 

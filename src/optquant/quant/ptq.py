@@ -34,12 +34,12 @@ import hashlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from optquant.errors import OptquantError
+from optquant.quant.choices import METHODS, ROTATIONS, Method, Rotation
 from optquant.quant.gptq import accumulate_hessian, gptq_quantize
 from optquant.quant.layers import QuantLinear, linear_layers, replace_module
 from optquant.quant.primitives import FORMATS, GRIDS, OFF, Format, Grid, QuantSpec, fake_quant
@@ -54,7 +54,7 @@ _CALIB_BATCH = 8  # calibration sequences per forward when calib is one (N, T) t
 class PTQConfig:
     """A PTQ scheme. Defaults = the paper: W4A4 RTN, symmetric [−7, 7], per channel / per token."""
 
-    method: Literal["rtn", "gptq"] = "rtn"
+    method: Method = "rtn"
     w_bits: int = 4  # 16 = weights not quantized
     a_bits: int = 4  # 16 = activations not quantized (weight-only)
     format: Format = "int"  # "mxfp4" / "nvfp4" fix 4 bits and their own blocks
@@ -62,16 +62,16 @@ class PTQConfig:
     w_group_size: int = 0  # 0 = one scale per output channel
     a_group_size: int = 0  # 0 = one scale per token
     quantize_head: bool = False  # a tied head gets its own quantized weight; the embedding stays FP
-    rotation: Literal["none", "hadamard"] = "none"
+    rotation: Rotation = "none"
     damp: float = 0.01  # GPTQ: λ in H + λ·mean(diag H)·I
     act_order: bool = False  # GPTQ: columns by decreasing diag H
     n_calib: int = 128  # GPTQ: calibration sequences
     plan: tuple[tuple[str, int], ...] = ()  # per-module bits (quant/bit_plan.py): (linear's name, bits)
 
     def __post_init__(self) -> None:
-        if self.method not in ("rtn", "gptq"):
+        if self.method not in METHODS:
             raise OptquantError(f"ptq.method must be 'rtn' or 'gptq', got {self.method!r}")
-        if self.rotation not in ("none", "hadamard"):
+        if self.rotation not in ROTATIONS:
             raise OptquantError(f"ptq.rotation must be 'none' or 'hadamard', got {self.rotation!r}")
         if self.format not in FORMATS or self.grid not in GRIDS:
             raise OptquantError(f"ptq.format must be in {FORMATS} and ptq.grid in {GRIDS}")

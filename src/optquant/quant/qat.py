@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from optquant.errors import OptquantError
-from optquant.quant.hadamard import hadamard, largest_pow2_divisor
+from optquant.quant.hadamard import largest_pow2_divisor, rotate_blocks
 from optquant.quant.layers import linear_layers, replace_module  # one layer-swapping helper for PTQ and QAT
 from optquant.quant.primitives import OFF, QuantSpec, int_params, round_to_grid
 from optquant.quant.qat_config import QAT_METHODS, QATConfig
@@ -172,17 +172,6 @@ class LSQStep(nn.Module):
         return lsq_quantize(x, step.to(x.dtype), self.bits, 1 / math.sqrt(n * (2 ** (self.bits - 1) - 1)))
 
 
-@functools.lru_cache(maxsize=32)
-def _hadamard_on(block: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return hadamard(block, dtype).to(device)  # rounded from fp64 per dtype: never a buffer .double() spoils
-
-
-def rotate(x: Tensor, block: int) -> Tensor:
-    """x·blockdiag(H_b, …, H_b) along the last axis (orthonormal Hadamard blocks of size b)."""
-    H = _hadamard_on(block, x.dtype, x.device)
-    return (x.reshape(*x.shape[:-1], -1, block) @ H).reshape(x.shape)
-
-
 class QATLinear(nn.Linear):
     """nn.Linear whose forward is F.linear(Q_a(x'), Q_w(W'), b), x' = xH and W' = WH for QuEST.
 
@@ -219,7 +208,7 @@ class QATLinear(nn.Linear):
         with torch.autocast(x.device.type, enabled=False):
             w = self.weight.to(xf.dtype)
             if self.block:
-                xf, w = rotate(xf, self.block), rotate(w, self.block)
+                xf, w = rotate_blocks(xf, self.block), rotate_blocks(w, self.block)
             xq, wq = self._quant(xf, self.a_bits, self.a_step), self._quant(w, self.w_bits, self.w_step)
         return F.linear(xq, wq, self.bias)
 
@@ -290,7 +279,7 @@ class IntLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         dtype = self.scale.dtype if self.w_bits < OFF else self.weight.dtype
         with torch.autocast(x.device.type, enabled=False):
-            xf = rotate(x.to(dtype), self.block) if self.block else x.to(dtype)
+            xf = rotate_blocks(x.to(dtype), self.block) if self.block else x.to(dtype)
             if self.a_bits < OFF:
                 cx, sx = int_codes(xf, self.method, self.a_bits, getattr(self, "a_step", None))
             if self.a_bits < OFF and self.w_bits < OFF:  # integer GEMM, then the outer product of scales
@@ -307,7 +296,7 @@ class IntLinear(nn.Module):
 def _export_layer(lin: QATLinear) -> dict[str, Tensor]:
     w = lin.weight.detach()
     w = w.float() if w.dtype in (torch.bfloat16, torch.float16) else w
-    w = rotate(w, lin.block) if lin.block else w
+    w = rotate_blocks(w, lin.block) if lin.block else w
     meta = [QAT_METHODS.index(lin.method), lin.w_bits, lin.a_bits, lin.block]
     out = {"meta": torch.tensor(meta, dtype=torch.int64)}
     if lin.w_bits < OFF:

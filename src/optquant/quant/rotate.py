@@ -48,7 +48,7 @@ from optquant.quant.hadamard import hadamard, largest_pow2_divisor
 
 log = logging.getLogger(__name__)
 
-Rotation = Literal["none", "hadamard", "random"]
+RotationKind = Literal["none", "hadamard", "random"]  # PTQConfig.rotation is quant/choices.py's Rotation
 
 
 class OnlineHadamard(nn.Module):
@@ -110,7 +110,7 @@ class RotatedNorm(nn.Module):
 
 
 def make_rotation(
-    n: int, kind: Rotation = "hadamard", generator: torch.Generator | None = None
+    n: int, kind: RotationKind = "hadamard", generator: torch.Generator | None = None
 ) -> OnlineHadamard:
     """An orthonormal block Hadamard of width n; kind="random" flips row signs (seeded by `generator`)."""
     if kind not in ("hadamard", "random"):
@@ -238,7 +238,7 @@ def _is_rotated(model: LM) -> bool:
     return any(isinstance(m, Rotated | RotatedNorm) for m in model.modules())
 
 
-def rotate_model_(model: LM, kind: Rotation = "hadamard", seed: int = 0) -> LM:
+def rotate_model_(model: LM, kind: RotationKind = "hadamard", seed: int = 0) -> LM:
     """Rotate `model` in place (QuaRot-style; see the module docstring). Same FP logits up to rounding.
 
     kind="random" draws the residual rotation's signs from `seed`; the online Hadamards before

@@ -20,7 +20,6 @@ from optquant.files import open_nofollow
 from optquant.report import curves, figures, paper
 from optquant.report.bit_plans import bits_section
 from optquant.report.claims import claims_table
-from optquant.report.costs import cost_section
 from optquant.report.html import Section, page
 from optquant.report.load import StudyData, load_study
 from optquant.report.protocol import cl_table, correlation_table, cost_table, lr_status_table, tuning_table
@@ -38,6 +37,7 @@ from optquant.report.tables import (
     task_tables,
     to_markdown,
 )
+from optquant.report.timings import timing_section
 
 __all__ = ["headline_tables", "render_report", "report_markdown"]
 
@@ -154,16 +154,15 @@ def machine_text(d: StudyData) -> str:
 def render_report(study_dir: str | Path) -> Path:
     """Write STUDY_DIR/report/index.html (+ report/figures/*.png) and return the HTML path."""
     d = load_study(study_dir)
-    out = d.root / "report"
-    fig_dir = out / "figures"
+    fig_dir = d.dir.figures
     fig_dir.mkdir(parents=True, exist_ok=True)
     for stale in fig_dir.glob("*.png"):  # a rebuilt report must not show figures of an earlier build
         stale.unlink()
     title = f"optquant report — {d.spec.get('name') or d.root.name}"
     sections = [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir),
-                robust_section(d.root, fig_dir), *filter(None, [bits_section(d.root, fig_dir)]), cost_section(d.root)]
+                robust_section(d.root, fig_dir), *filter(None, [bits_section(d.root, fig_dir)]), timing_section(d.root)]
     text = page(title, _header(d), sections, d.spec)
-    path = out / "index.html"
+    path = d.dir.page
     tmp = path.with_suffix(".html.tmp")
     tmp.unlink(missing_ok=True)  # a stale one, or a link planted there: never written through
     with os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w", encoding="utf-8") as f:
@@ -186,9 +185,9 @@ def report_markdown(study_dir: str | Path) -> str:
     and Bit plans tables where the study has them, as markdown."""
     d = load_study(study_dir)
     tables = headline_tables(d)
-    if (d.root / "robust.parquet").is_file():  # issue 23's Robustness table, when the study ran the arm
-        tables += [b for b in robust_section(d.root, d.root / "report" / "figures").blocks if isinstance(b, Table)]
-    bits = bits_section(d.root, d.root / "report" / "figures")  # issue 31's plans, where the study wrote them
+    if d.dir.robust.is_file():  # issue 23's Robustness table, when the study ran the arm
+        tables += [b for b in robust_section(d.root, d.dir.figures).blocks if isinstance(b, Table)]
+    bits = bits_section(d.root, d.dir.figures)  # issue 31's plans, where the study wrote them
     tables += [b for b in bits.blocks if isinstance(b, Table)] if bits else []
     head = (f"## optquant study {d.spec.get('name') or d.root.name}\n\n{machine_text(d)}\n\n_{CAVEAT}_\n\n"
             f"_{d.count_note()}_\n")

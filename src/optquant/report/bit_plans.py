@@ -20,8 +20,9 @@ from optquant.files import read_json
 from optquant.report.figures import Plot, save
 from optquant.report.html import Section
 from optquant.report.tables import Table
+from optquant.runs import StudyDir
 
-BITS_DIR = "bits"  # STUDY/bits/*.json: plans from the study's bits stage or optquant bits
+BITS_DIR = StudyDir(Path()).bits.name  # STUDY/bits/*.json: plans from the study's bits stage or optquant bits
 _NAME = re.compile(r"^blocks\.(\d+)\..*?([^.]+)$")
 
 
@@ -76,7 +77,7 @@ def fig_plan(key: str, records: list[dict], out: Path, title: str) -> Plot:
 
 
 def bits_section(root: Path, fig_dir: Path) -> Section | None:
-    paths = sorted((Path(root) / BITS_DIR).glob("*.json"))
+    paths = sorted(StudyDir(root).bits.glob("*.json"))
     if not paths:
         return None
     plans = [(p.stem, read_json(p)) for p in paths]

@@ -28,7 +28,7 @@ import pandas as pd
 from optquant.errors import OptquantError
 from optquant.files import NUMBER, check_numeric_columns, check_record, parse_metrics, read_json, read_parquet
 from optquant.report.paper import by_label, label
-from optquant.runs import RunDir
+from optquant.runs import RunDir, StudyDir
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,12 @@ class StudyData:
         return {o: str(g["run_id"].iloc[0]) for o, g in df.groupby("optimizer")}
 
     # ---------------------------------------------------------------- per-run files
+    @property
+    def dir(self) -> StudyDir:
+        return StudyDir(self.root)
+
     def run(self, run_id: str) -> RunDir:
-        return RunDir(self.root / "runs" / run_id)
+        return self.dir.run(run_id)
 
     def summary_values(self, kind: str, metric: str, key: str) -> dict[tuple[str, str], str]:
         """{(size, optimizer): the distinct values of `key` in runs/<run_id>/summary.json over the runs
@@ -197,8 +201,9 @@ def load_study(study_dir: str | Path) -> StudyData:
     root = Path(study_dir)
     if not root.is_dir():
         raise OptquantError(f"study directory {root} does not exist")
-    info = _optional(read_json, root / "study.json") or {}
-    results = _read_results(root / "results.parquet")
+    files = StudyDir(root)
+    info = _optional(read_json, files.study) or {}
+    results = _read_results(files.results)
     sizes_info = {s: v for s, v in (info.get("sizes") or {}).items() if isinstance(v, dict)}
     total = {s: float(v.get("n_params", math.nan)) for s, v in sizes_info.items()}
     non_emb = {s: float(v["n_params_non_embedding"]) for s, v in sizes_info.items() if "n_params_non_embedding" in v}
@@ -218,23 +223,23 @@ def load_study(study_dir: str | Path) -> StudyData:
         n_params=n_params,
         optimizers=optimizers,
         results=results,
-        correlations=_optional(read_parquet, root / "correlations.parquet"),
-        fits=_optional(read_json, root / "fits.json"),
-        best=_read_best(root / "best.json"),
-        blocks=_blocks(root, sizes_info, results),
+        correlations=_optional(read_parquet, files.correlations),
+        fits=_optional(read_json, files.fits),
+        best=_read_best(files.best),
+        blocks=_blocks(files, sizes_info, results),
         machine=info.get("machine") or {},
         n_count=n_count,
         n_other=n_other,
     )
 
 
-def _blocks(root: Path, sizes_info: dict, results: pd.DataFrame) -> dict[str, int]:
+def _blocks(files: StudyDir, sizes_info: dict, results: pd.DataFrame) -> dict[str, int]:
     """Blocks per size: study.json's `n_layer`, or (a study from before it was recorded) the config.json of
     one of the size's runs."""
     out = {s: int(v["n_layer"]) for s, v in sizes_info.items() if isinstance(v, dict) and "n_layer" in v}
     for size, g in results.groupby("size"):
         if str(size) not in out:
-            record = _optional(read_json, RunDir(root / "runs" / str(g["run_id"].iloc[0])).config) or {}
+            record = _optional(read_json, files.run(str(g["run_id"].iloc[0])).config) or {}
             cfg = record.get("config") if isinstance(record, dict) else None
             if isinstance(cfg, dict) and isinstance(n := (cfg.get("model") or {}).get("n_layer"), int):
                 out[str(size)] = n

@@ -32,9 +32,11 @@ from optquant.report.figures import Plot, grid, missing, save
 from optquant.report.html import Section
 from optquant.report.paper import label
 from optquant.report.tables import Table, not_run
+from optquant.runs import StudyDir
 from optquant.stats import ALPHA, holm, min_p, paired_test, rank_with_ties, summarize
 
-ROBUST_FILE = "robust.parquet"  # study/robust.py writes it (the report does not import the study)
+ROBUST_FILE = StudyDir(Path()).robust.name  # the captions name it
+
 GOAL = (-30.0, 1.3)  # the issue's aim: ≥ 30 % less damage at ≤ 1.3× the training cost
 POWER = 0.8  # the power calculation's target: a 30 % cut is found in 80 % of repeats
 
@@ -75,7 +77,8 @@ def seed_table(results: pd.DataFrame, scheme: str, entries: tuple[str, ...]) -> 
     rows = tuple((label(c["opt"]), f"{c['mean']:.4f}", f"{c['sd']:.4f}", f"{c['sd'] / c['mean']:.2f}",
                   f"{math.sqrt(2) * c['sd']:.4f}", str(c["units"]), str(c["needed"] or "–"),
                   str(math.ceil(c["needed"] / c["sizes"])) if c["needed"] else "–") for c in plan)
-    caption = (f"results.parquet: the plain best-LR runs' Δ val loss under {scheme} at the Common Loss, at the "
+    caption = (f"{StudyDir(Path()).results.name}: the plain best-LR runs' Δ val loss under {scheme} at the Common "
+               "Loss, at the "
                f"{plan[0]['sizes'] if plan else 0} largest sizes; seed sd pooled within size. n for −30 %: "
                "seeds_needed with the sd of a paired difference taken as √2 · seed sd (no noise shared with the "
                f"plain run of the seed; an upper bound where the arm shares its trajectory), Holm over {n_opt} "
@@ -132,7 +135,7 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
     cols = ("optimizer", "method", "n", "Δ damage (arm − plain) [95 % CI]", "change", "p", "p_Holm",
             "Δ final FP loss [95 % CI]", "p_Holm FP", "step time ×", "R_L change", "CL reached",
             "n for −30 %")
-    rows = tuple((label(c["opt"]), c["arm"], str(c["test"].n),
+    rows = tuple((c["opt"], c["arm"], str(c["test"].n),
                   f"{_fmt(c['test'].mean_diff)} [{_fmt(c['test'].lo)}, {_fmt(c['test'].hi)}]",
                   _pct(c['change']), f"{c['test'].p:.3g}", f"{c['test_holm']:.3g}",
                   f"{_fmt(c['fp'].mean_diff)} [{_fmt(c['fp'].lo)}, {_fmt(c['fp'].hi)}]", f"{c['fp_holm']:.3g}",
@@ -269,8 +272,8 @@ def robust_section(root: Path, fig_dir: Path) -> Section:
              "(quant/robust.py), measured like the plain runs at the Common Loss. A late-QAT run is the plain "
              "run until its switch step, so where it reaches the Common Loss before the switch its CL model is "
              "the plain one (a difference of exactly 0); its final model shows what QAT changed.")
-    path, spec = Path(root) / ROBUST_FILE, _spec(Path(root))
-    results = Path(root) / "results.parquet"
+    sd = StudyDir(root)
+    path, spec, results = sd.robust, _spec(sd), sd.results
     plan = (seed_table(read_parquet(results), "w4a4-rtn", tuple(spec.get("robust") or RECOMMENDED_ARM)),) \
         if results.is_file() else ()
     if not path.is_file():
@@ -288,5 +291,5 @@ def robust_section(root: Path, fig_dir: Path) -> Section:
                     *plan, fig_pareto(df, schemes[0], fig_dir)))
 
 
-def _spec(root: Path) -> dict:
-    return (read_json(root / "study.json") if (root / "study.json").is_file() else {}).get("spec", {})
+def _spec(sd: StudyDir) -> dict:
+    return (read_json(sd.study) if sd.study.is_file() else {}).get("spec", {})

@@ -50,7 +50,7 @@ def table10(d: StudyData) -> Table:
         iv = f.get("intervals") or {}
         rho = fit_rho4(f.get("rho"))
         notes = ", ".join(f.get("at_bound") or []) or ""
-        rows.append((d.label(o), _not_identified(f, "rho_4bit") or fmt_ci(rho, fit_interval(iv, "rho_4bit", "rho")),
+        rows.append((o, _not_identified(f, "rho_4bit") or fmt_ci(rho, fit_interval(iv, "rho_4bit", "rho")),
                      _param(f, "E"), _param(f, "alpha"), f"{float(f['A']):.4g}", str(f.get("n_points", "–")),
                      f"at bound: {notes}" if notes else ""))  # fmt: skip
     n_count = (d.fits or {}).get("n_count")
@@ -80,7 +80,7 @@ def table10_joint(d: StudyData) -> Table:
         if o == j.get("reference"):
             fp += " (reference)"
         rho4 = fmt_ci(fit_rho4(j["rho"][o]), fit_interval(iv, f"rho_4bit/{o}", f"rho/{o}", o))
-        rows.append((d.label(o), _not_identified(j, f"rho_fp/{o}", "whole fit, see below") or fp,
+        rows.append((o, _not_identified(j, f"rho_fp/{o}", "whole fit, see below") or fp,
                      _not_identified(j, f"rho_4bit/{o}", "whole fit, see below") or rho4))  # fmt: skip
     shared = f"A = {float(j['A']):.4g}, α = {_param(j, 'alpha')}, E = {_param(j, 'E')}"
     headline = (d.fits or {}).get("headline")

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from optquant.report.load import StudyData, fmt_lr
-from optquant.report.paper import LABELS, PaperGrid
+from optquant.report.paper import PaperGrid, label
 from optquant.stats import ALPHA, NOT_RESOLVED, Ranking, Summary, min_p, rank_with_ties, summarize
 
 NOT_RUN = "not run in this study"
@@ -33,6 +33,9 @@ NOT_RUN = "not run in this study"
 
 @dataclass(frozen=True)
 class Table:
+    """A table's formatted cells. Optimizers are named here, for every table alike: the cells of an "optimizer"
+    column and the column headers go through `paper.label` (AdamW; a plugin as typed, its path shortened)."""
+
     key: str
     title: str
     columns: tuple[str, ...] = ()
@@ -41,6 +44,12 @@ class Table:
     missing: str = ""  # non-empty: nothing to show, and why
     bold: frozenset[tuple[int, int]] = field(default_factory=frozenset)  # (row, column) cells to emphasize
     paper: bool = False  # the paper's reference values, not ours
+
+    def __post_init__(self) -> None:  # label() is idempotent, so a table rebuilt with `replace` is unchanged
+        named = {j for j, c in enumerate(self.columns) if c == "optimizer"}
+        object.__setattr__(self, "columns", tuple(map(label, self.columns)))
+        object.__setattr__(self, "rows", tuple(tuple(label(v) if j in named else v for j, v in enumerate(r))
+                                               for r in self.rows))
 
 
 def not_run(key: str, title: str, why: str) -> Table:
@@ -110,7 +119,7 @@ def seed_table(d: StudyData, key: str, title: str, quantities: Sequence[Quantity
                for q in quantities for f in [frames[q.label]] for s, o in keys}
     digits = {q.label: column_digits([summary[(s, o, q.label)] for s, o in keys], q.digits) for q in quantities}
     for s, o in keys:
-        row = [d.size_label(s), d.label(o)]
+        row = [d.size_label(s), o]
         for j, q in enumerate(quantities):
             r = ranks.get(q.label, ({}, None))[0].get(s)
             row += [summary[(s, o, q.label)].text(digits[q.label], q.signed), r.label(o) if r and o in r.rank else "–"]
@@ -120,7 +129,7 @@ def seed_table(d: StudyData, key: str, title: str, quantities: Sequence[Quantity
     opts = sorted({o for _, o in keys}, key=lambda o: _order(d, o))
     if any(p is not None for _, p in ranks.values()):
         for o in opts:
-            row = ["pooled (all sizes)", d.label(o)]
+            row = ["pooled (all sizes)", o]
             for q in quantities:
                 pooled = ranks.get(q.label, ({}, None))[1]
                 n = int(frames[q.label]["optimizer"].eq(o).sum())
@@ -253,12 +262,12 @@ def paper_table(grid: PaperGrid, key: str) -> Table:
             cells.append("n/a" if v is None else f"{v:.{grid.digits.get(s, 2)}f}{note or ''}")
         rows.append((s, *cells))
     caption = f"paper, {grid.sources}. Unit: {grid.unit or 'as named'}. {grid.footnote}".strip()
-    cols = ("paper" if grid.unit else "quantity", *(LABELS[o] for o in grid.optimizers))
+    cols = ("paper" if grid.unit else "quantity", *grid.optimizers)
     return Table(key, f"paper — {grid.title}", cols, tuple(rows), caption, paper=True)
 
 
 def paper_values_table(key: str, title: str, values: dict[str, float], sources: str, head: str) -> Table:
-    rows = tuple((LABELS.get(k, k), f"{v:.2f}") for k, v in values.items())
+    rows = tuple((label(k), f"{v:.2f}") for k, v in values.items())
     return Table(key, f"paper — {title}", ("paper", head), rows, f"paper, {sources}.", paper=True)
 
 

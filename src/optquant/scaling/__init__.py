@@ -14,7 +14,7 @@ All runs use D = 20·N, so the iso-ratio form has one size variable.
   It is the headline ρ, as the authors later recommended.
 
 Files, in reading order: law.py (points, config, results, `predict`), fit.py (the entry points),
-design.py (the objective and its optimizer), intervals.py (bootstrap, jackknife), checks.py
+solver.py (the fit itself: the objective and its optimizer), intervals.py (bootstrap, jackknife), checks.py
 (residuals, correlations, the "identified" verdict).
 
 Left out on purpose: the two-variable form B/D^β (D is tied to N here), and fitting bits as a

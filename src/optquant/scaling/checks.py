@@ -20,8 +20,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from optquant.scaling.design import Design, Fit
 from optquant.scaling.law import FitConfig, FitDiagnostics, JointFit, LawFit, ScalingPoint
+from optquant.scaling.solver import Design, Fit
 
 _SHARED = ("A", "alpha", "E")  # a bound or a failed check on these affects every ρ of the fit
 

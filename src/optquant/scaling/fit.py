@@ -8,7 +8,9 @@ from collections.abc import Sequence
 
 from optquant.errors import OptquantError
 from optquant.scaling.checks import diagnose, judge, judged, spreads
-from optquant.scaling.design import (
+from optquant.scaling.intervals import bootstrap, jackknife, resampling_strata
+from optquant.scaling.law import FitConfig, JointFit, LawFit, ScalingPoint
+from optquant.scaling.solver import (
     DesignFn,
     check_points,
     fit_design,
@@ -17,8 +19,6 @@ from optquant.scaling.design import (
     one_blas_thread,
     starts,
 )
-from optquant.scaling.intervals import bootstrap, jackknife, resampling_strata
-from optquant.scaling.law import FitConfig, JointFit, LawFit, ScalingPoint
 
 log = logging.getLogger(__name__)
 

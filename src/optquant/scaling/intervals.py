@@ -19,8 +19,8 @@ import numpy as np
 from scipy.stats import norm
 
 from optquant.errors import OptquantError
-from optquant.scaling.design import DesignFn, Fit, check_points, fit_design, starts
 from optquant.scaling.law import FitConfig, ScalingPoint
+from optquant.scaling.solver import DesignFn, Fit, check_points, fit_design, starts
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optquant.files import open_nofollow
+from optquant.runs import StudyDir
 
 if TYPE_CHECKING:
     from optquant.study.jobs import Job, Result
@@ -91,7 +92,7 @@ def longest_first(jobs: list[Job]) -> list[Job]:
     return sorted(jobs, key=lambda j: -costs[j.key])
 
 
-def cost_record(job: Job, timing: dict[str, Any], workers: int) -> dict[str, Any]:
+def timing_record(job: Job, timing: dict[str, Any], workers: int) -> dict[str, Any]:
     """One costs.jsonl line: the job, its stage, optimizer and size, and where its time went."""
     facts = job.describe()
     seconds = timing["end"] - timing["start"]
@@ -100,7 +101,7 @@ def cost_record(job: Job, timing: dict[str, Any], workers: int) -> dict[str, Any
             "worker": timing["worker"], "workers": workers, "parts": timing["parts"] or {facts["part"]: seconds}}
 
 
-def append_costs(path: Path, record: dict[str, Any]) -> None:
+def append_timing(path: Path, record: dict[str, Any]) -> None:
     """Append one JSON line with a single O_APPEND write (whole lines even if several studies log)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(record, allow_nan=False, default=str) + "\n").encode()
@@ -202,7 +203,7 @@ def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
     run; each job that runs is logged to `costs` (default: costs.jsonl beside `folder`, i.e. in the
     study directory; no log without either). `pool`: local workers to reuse (a study's)."""
     if costs is None and folder is not None:
-        costs = Path(folder).parent / "costs.jsonl"
+        costs = StudyDir(Path(folder).parent).costs
     results, todo = {}, []
     for job in jobs:
         done = job.done()
@@ -221,7 +222,7 @@ def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
     for job, (result, timing) in stream:
         results[job.key] = result
         if costs is not None:
-            append_costs(costs, cost_record(job, timing, max(1, min(n_workers, len(todo)))))
+            append_timing(costs, timing_record(job, timing, max(1, min(n_workers, len(todo)))))
         if on_done is not None:
             on_done(job, result)
     return results

@@ -27,7 +27,7 @@ from optquant.config import RunConfig
 from optquant.files import atomic_write_json, atomic_write_text
 from optquant.harness import HarnessConfig, task_manager
 from optquant.ptq_stage import AnalysisConfig, scheme_config
-from optquant.runs import RunDir, read_config, read_metrics, run_dir
+from optquant.runs import RunDir, StudyDir, read_config, read_metrics, run_dir
 from optquant.study.bracket import bracket
 from optquant.study.executor import WorkerPool, execute, threads_per_worker
 from optquant.study.jobs import Job, OutliersJob, PTQJob, Result, TrainJob
@@ -48,8 +48,12 @@ class Study:
     pool: WorkerPool | None = None  # the local workers, kept across the stages
 
     @property
+    def dir(self) -> StudyDir:
+        return StudyDir(self.root)
+
+    @property
     def runs(self) -> Path:
-        return self.root / "runs"
+        return self.dir.runs
 
     def emit(self, **event: Any) -> None:
         if self.on_event is not None:
@@ -57,7 +61,7 @@ class Study:
 
     def run(self, stage: str, jobs: list[Job]) -> dict[str, Result]:
         self.emit(event="stage", stage=stage, jobs=len(jobs))
-        return execute(jobs, self.spec.executor, self.spec.workers, self.root / "submitit",
+        return execute(jobs, self.spec.executor, self.spec.workers, self.dir.submitit,
                        lambda job, result: self.emit(event="job", stage=stage, key=job.key, job_stage=job.stage,
                                                      result=result),
                        pool=self.pool)
@@ -301,8 +305,7 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
     with WorkerPool(spec.workers) as pool:  # started by the first batch that needs it
         study = Study(spec, Path(root), on_event, pool)
         study.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(study.root / "study.json", {"spec": asdict(spec), "sizes": _sizes(spec),
-                                                      "machine": machine(spec)})
+        atomic_write_json(study.dir.study, {"spec": asdict(spec), "sizes": _sizes(spec), "machine": machine(spec)})
         found = fp_stage(study, sweep_stage(study))
         warn_unconverged(study, found)
         thresholds, cl_paths = cl_stage(study, found)

@@ -33,7 +33,7 @@ from optquant.errors import OptquantError
 from optquant.files import atomic_write_json, check_numeric_columns, read_json, read_parquet, write_parquet
 from optquant.metrics.outliers import OUTLIER_METRICS
 from optquant.ptq_stage import AnalysisConfig, read_result
-from optquant.runs import RunDir, read_config, read_summary
+from optquant.runs import RunDir, StudyDir, read_config, read_summary
 from optquant.scaling import FitConfig, ScalingPoint, fit_joint, fit_laws, judge
 from optquant.study.correlate import correlate
 from optquant.study.tuning import LRSearch
@@ -247,13 +247,13 @@ def fit_task(task: tuple[str, list[ScalingPoint], FitConfig]) -> tuple[str, Any]
 def write_results(study, found: dict[tuple[str, str], LRSearch], thresholds: dict, cl_paths: dict,
                   qat: dict) -> pd.DataFrame:
     df = gather(study, found, thresholds, cl_paths, qat)
-    write_parquet(study.root / "results.parquet", df)
+    write_parquet(study.dir.results, df)
     corr = correlations(df)
-    write_parquet(study.root / "correlations.parquet", corr)
+    write_parquet(study.dir.correlations, corr)
     local = study.pool is not None and study.spec.executor == "local" and study.spec.workers > 1
     pool = study.pool.get() if local else None  # the fits on the study's workers, in parallel
-    atomic_write_json(study.root / "fits.json", fits(df, study.spec.fit_interval, pool.map if pool else map))
-    atomic_write_json(study.root / "best.json",  # a list: an optimizer's name may be a path (a "/" in a key)
+    atomic_write_json(study.dir.fits, fits(df, study.spec.fit_interval, pool.map if pool else map))
+    atomic_write_json(study.dir.best,  # a list: an optimizer's name may be a path (a "/" in a key)
                       [{"optimizer": o, "size": s, **best_record(r)} for (o, s), r in found.items()])
     log.info("results: %d rows, %d correlations", len(df), len(corr))
     return df
@@ -270,13 +270,14 @@ def best_record(r: LRSearch) -> dict[str, Any]:
 
 def refit(study_dir: Path, interval: str = "bootstrap") -> dict[str, Any]:
     """Recompute correlations.parquet and fits.json from a study's results.parquet (no training)."""
-    path = Path(study_dir) / "results.parquet"
+    files = StudyDir(study_dir)
+    path = files.results
     if not path.exists():
-        raise OptquantError(f"{study_dir}: no results.parquet (run optquant study first)")
+        raise OptquantError(f"{study_dir}: no {path.name} (run optquant study first)")
     df = read_parquet(path)
     check_numeric_columns(df, path, ("value", "lr", "seed", "n_params"))
-    write_parquet(Path(study_dir) / "correlations.parquet", correlations(df))
+    write_parquet(files.correlations, correlations(df))
     out = fits(df, interval)
-    atomic_write_json(Path(study_dir) / "fits.json", out)
+    atomic_write_json(files.fits, out)
     return out
 

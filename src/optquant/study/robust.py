@@ -24,9 +24,8 @@ from typing import Any
 import pandas as pd
 
 from optquant.files import write_parquet
-from optquant.runs import read_summary
+from optquant.runs import StudyDir, read_summary
 
-ROBUST_FILE = "robust.parquet"
 CL_METRICS = ("delta_val_loss", "val_loss_fp", "R_L", "sum_A", "sum_B", "mean_gain", "mean_gain_linear",
               "mean_G1", "mean_G2")
 TRAIN_METRICS = ("mean_step_seconds", "cl_step", "best_val_loss")
@@ -50,7 +49,7 @@ def robust_rows(spec, cl_models: dict, finals: dict, trained: dict, results: dic
 
 
 def write_robust(root: Path, df: pd.DataFrame) -> None:
-    write_parquet(root / ROBUST_FILE, df)
+    write_parquet(StudyDir(root).robust, df)
 
 
 def _summary(path: Path) -> dict[str, Any]:

@@ -18,13 +18,12 @@ import math
 import os
 import re
 
-from optquant.config import MAX_NAME
+from optquant.config import MAX_NAME, NAME
 from optquant.errors import OptquantError
 from optquant.optim import OPTIMIZERS, is_optimizer
 from optquant.quant.ptq import SCHEMES
 from optquant.study.spec import StudySpec, lr_grid, run_config
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")  # as config.validate's run names: it names a directory
 REMOTE_WORKERS = 1024  # the stated cap of concurrent jobs for the Slurm executors
 
 
@@ -43,7 +42,7 @@ def _at_least(what: str, value, low: int) -> None:
 
 def validate_spec(spec: StudySpec) -> StudySpec:
     """Check `spec` (see the module docstring); returns it. One OptquantError naming the setting."""
-    if not _NAME.fullmatch(spec.name) or len(spec.name) > MAX_NAME - 16:
+    if not re.fullmatch(NAME, spec.name) or len(spec.name) > MAX_NAME - 16:
         raise OptquantError(f"name={spec.name[:40]!r}{'…' if len(spec.name) > 40 else ''}: use at most "
                             f"{MAX_NAME - 16} letters, digits and . _ + - (it names the study's runs)")
     _list("sizes", spec.sizes)

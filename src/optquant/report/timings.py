@@ -1,6 +1,6 @@
-"""The report's cost section: where the study's wall time went, from STUDY_DIR/costs.jsonl.
+"""The report's timing section ("Study cost"): where the study's wall time went, from STUDY_DIR/costs.jsonl.
 
-The executor appends one line per job that ran (study/executor.py `cost_record`): its stage (fp, cl
+The executor appends one line per job that ran (study/executor.py `timing_record`): its stage (fp, cl
 and qat training, ptq, outliers), optimizer, size, start and end, worker and seconds per part
 (training, qat, ptq, analysis). Jobs answered from files (a resumed study) are not in the log. Tables:
 wall time per stage (with its worker utilisation: busy worker-seconds over workers × the stage's span),
@@ -14,15 +14,15 @@ from collections import defaultdict
 from pathlib import Path
 
 from optquant.report.html import Section
-from optquant.report.paper import label
 from optquant.report.tables import Table
+from optquant.runs import StudyDir
 
 PARTS = ("training", "ptq", "analysis", "qat")
 STAGES = ("fp", "cl", "ptq", "outliers", "qat")
 
 
-def read_costs(root: Path) -> list[dict]:
-    path = Path(root) / "costs.jsonl"
+def read_timings(root: Path) -> list[dict]:
+    path = StudyDir(root).costs
     if not path.is_file():
         return []
     out = []
@@ -74,7 +74,7 @@ def optimizer_table(records: list[dict]) -> Table:
     for r in records:
         for part, s in r.get("parts", {}).items():
             sums[r.get("optimizer") or "?"][part] += s
-    rows = [(label(o), *(_hms(sums[o][p]) if sums[o][p] else "–" for p in PARTS), _hms(sum(sums[o].values())))
+    rows = [(o, *(_hms(sums[o][p]) if sums[o][p] else "–" for p in PARTS), _hms(sum(sums[o].values())))
             for o in sorted(sums)]
     return Table("cost-optimizers", "Wall time per optimizer and part", ("optimizer", *PARTS, "total"),
                  tuple(rows), caption="Worker-seconds per optimizer: FP and CL training, PTQ (quantize, "
@@ -93,8 +93,8 @@ def share_table(records: list[dict]) -> Table:
                  caption="Where the next minute should come from: the largest share is the one to speed up.")
 
 
-def cost_section(root: Path) -> Section:
-    records = read_costs(root)
+def timing_section(root: Path) -> Section:
+    records = read_timings(root)
     intro = "Where the study's wall time went, from costs.jsonl (one line per job the executor ran)."
     if not records:
         missing = Table("cost-stages", "Wall time per stage", missing="no cost log: costs.jsonl lists the jobs "
