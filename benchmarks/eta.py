@@ -1,9 +1,9 @@
 """Benchmark: the study's ETA on a recorded study, before (tqdm's job-count ETA) and after (the cost model).
 
-Replays a study's costs.jsonl in order of completion (optquant.study.progress `replay`) and prints, at 10,
+Replays a study's costs.jsonl in order of completion (optquant.study.eta `replay`) and prints, at 10,
 50 and 90 % of the study's wall time and of its jobs, the true remaining time (to the last job's end), each
 ETA and its error. The old ETA is what `optquant study` showed before issue 22: tqdm's rate (EMA,
-smoothing 0.3) over the planned job total (progress.plan_cells), grown when exceeded.
+smoothing 0.3) over the planned job total (eta.plan_cells), grown when exceeded.
 
 Run: python benchmarks/eta.py STUDY_DIR  (reads STUDY_DIR/study.json and STUDY_DIR/costs.jsonl), or
 python benchmarks/eta.py tests/data/costs-cpu.jsonl (the fixture, its study-cpu.json beside it).
@@ -17,7 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from optquant.study.progress import replay, spec_from_dict
+from optquant.study.eta import replay
+from optquant.study.spec import spec_from_dict
 
 FIELDS = ("stage", "optimizer", "size", "start", "end", "seconds")
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"

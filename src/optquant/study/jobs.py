@@ -10,7 +10,7 @@ methods every job has:
     describe()  what costs.jsonl records: kind, stage, optimizer, size, part
 
 and two attributes: `key` (unique within a study) and `stage` (fp, cl, qat, ptq or outliers: the class of
-job the ETA prices, study/progress.py).
+job the ETA prices, study/eta.py).
 
 A run directory is locked (runs.locked: fcntl, released when the process dies) while a job works in it,
 as `optquant train/ptq/analyze` lock it, so no two processes ever write the same run at once.
