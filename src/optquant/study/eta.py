@@ -3,13 +3,13 @@
 Counting jobs makes a poor clock: a study's jobs differ a thousandfold in cost (a PTQ job takes a
 second, a QAT run at the largest size minutes), and the slow QAT stage comes after the fast PTQ jobs. So
 the plan is priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start: its
-expected job count (the dry run's stages, study/dryrun.py, with one LR extension round per search as
-`expected` assumes, and half of any other upper bound) and a prior cost per job (training FLOPs, or
+expected job count (the table of stages, study/plan.py `STEPS`, each row at its `expected` share: one
+LR extension round per search, half of any other upper bound) and a prior cost per job (training FLOPs, or
 PTQ forward passes, at `CPU_FLOPS`; half the CL upper bound). Each costs.jsonl record (study/executor.py)
 then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best
 LR's runs, under the machine's current load); for CL and QAT, its FP twin's mean times the CL/FP or
 QAT/FP ratio measured in other cells; the prior scaled by the measured/prior ratio of the same class and
-optimizer, then class, then all jobs. A later class appearing ends the earlier ones (their counts become
+optimizer, then class, then all jobs. A job of a later step of the table ends the earlier ones (their counts become
 what ran: extensions that never came are dropped), and the PTQ counts are recomputed from the FP
 runs that actually finished.
 
