@@ -1,9 +1,9 @@
 """Benchmark: the study's ETA on a recorded study, before (tqdm's job-count ETA) and after (the cost model).
 
-Replays a study's costs.jsonl in order of completion (optquant.study.progress `replay`) and prints, at 10,
+Replays a study's costs.jsonl in order of completion (optquant.study.eta `replay`) and prints, at 10,
 50 and 90 % of the study's wall time and of its jobs, the true remaining time (to the last job's end), each
 ETA and its error. The old ETA is what `optquant study` showed before issue 22: tqdm's rate (EMA,
-smoothing 0.3) over the planned job total (progress.plan_cells), grown when exceeded.
+smoothing 0.3) over the planned job total (eta.plan_cells), grown when exceeded.
 
 Run: python benchmarks/eta.py STUDY_DIR  (reads STUDY_DIR/study.json and STUDY_DIR/costs.jsonl), or
 python benchmarks/eta.py tests/data/costs-cpu.jsonl (the fixture, its study-cpu.json beside it).
@@ -17,7 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from optquant.study.progress import replay, spec_from_dict
+from optquant.study.eta import replay
+from optquant.study.spec import spec_from_dict
 
 FIELDS = ("stage", "optimizer", "size", "start", "end", "seconds")
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
@@ -49,12 +50,26 @@ def checkpoints(study: dict, records: list[dict]) -> list[dict]:
     return out
 
 
+SHARES = (0.02, 0.05, 0.1, 0.25, 0.5, 0.9)
+
+
+def ratios(study: dict, records: list[dict]) -> dict[float, float]:
+    """ETA ÷ true remaining time at each share of the run's wall time in SHARES (issue 30's goal: within
+    [0.7, 1.3] from 5 % on)."""
+    rows = replay(spec_from_dict(study["spec"]), records)
+    total = rows[-1]["t"] + rows[-1]["true"]
+    return {f: r["eta"] / r["true"] for f in SHARES for r in [next(r for r in rows if r["t"] >= f * total)]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("path", type=Path)
     p.add_argument("--fixture", help="write tests/data/costs-NAME.jsonl and study-NAME.json")
     args = p.parse_args()
     study, records = load(args.path)
+    print("| share of the run's time | " + " | ".join(f"{f:.0%}" for f in SHARES) + " |")
+    print("|---" * (len(SHARES) + 1) + "|")
+    print("| ETA ÷ true remaining | " + " | ".join(f"{r:.2f}" for r in ratios(study, records).values()) + " |\n")
     if args.fixture:
         lines = [json.dumps({k: r.get(k) for k in FIELDS}) for r in sorted(records, key=lambda r: r["end"])]
         (DATA / f"costs-{args.fixture}.jsonl").write_text("\n".join(lines) + "\n")

@@ -297,12 +297,12 @@ def test_the_study_plans_each_cl_model_once_and_the_report_shows_them(nano_run, 
     import optquant.ptq_stage
     from optquant.report.bit_plans import bits_section
     from optquant.report.figures import Plot
-    from optquant.study.plan import Study, bits_stage
+    from optquant.study.plan import State, Study, bits_stage
     from optquant.study.spec import study_preset
 
     assert bits_section(tmp_path, tmp_path / "figures") is None
     study = Study(study_preset("smoke"), tmp_path)
-    bits_stage(study, {("adamw", "nano", 0): nano_run})
+    bits_stage(study, State(cl_paths={("adamw", "nano", 0): nano_run}))
     written = tmp_path / "bits" / f"{nano_run.name}.json"
     record = json.loads(written.read_text())
     cli = tmp_path / "cli.json"
@@ -317,7 +317,7 @@ def test_the_study_plans_each_cl_model_once_and_the_report_shows_them(nano_run, 
 
     monkeypatch.setattr(optquant.ptq_stage, "model_bits", no_walk)
     before = written.read_bytes()
-    bits_stage(study, {("adamw", "nano", 0): nano_run})
+    bits_stage(study, State(cl_paths={("adamw", "nano", 0): nano_run}))
     assert written.read_bytes() == before
     cli.rename(tmp_path / "bits" / "mine.json")
     table, *figs = bits_section(tmp_path, tmp_path / "figures").blocks

@@ -92,7 +92,7 @@ def _clock(s: float) -> str:
 
 class Progress:
     """The study's progress display: a bar driven by the cost model's share of estimated wall time
-    (optquant.study.progress), corrected by each costs.jsonl record as jobs finish, with a clock that keeps
+    (optquant.study.eta), corrected by each costs.jsonl record as jobs finish, with a clock that keeps
     counting between completions (a ticker thread) and warnings written above the bar. Without a usable
     terminal (not a tty, or under 40 columns, as under `script` or some CI runners): plain timed lines, a
     status line at each stage and every 30 s."""
@@ -104,7 +104,7 @@ class Progress:
         from tqdm import tqdm
 
         from optquant.runs import StudyDir
-        from optquant.study.progress import CostETA
+        from optquant.study.eta import CostETA
 
         self.eta, self.stream, self.quiet, self.stage = CostETA(spec, time.time()), stream, quiet, "start"
         self.costs = StudyDir(root).costs

@@ -58,6 +58,7 @@ class StudyData:
     best: dict | None = None  # best.json: (optimizer, size) -> best_lr, status, reason, ...
     blocks: dict[str, int] = field(default_factory=dict)  # size -> transformer blocks (study.json, else a run's config)
     machine: dict = field(default_factory=dict)  # study.json's `machine`: CPU, bf16, precision, threads, commit
+    search_seed: int = 0  # study.json's: the seed the LR searches ran with (study/spec.py search_seed)
     n_count: str = "total"  # what n_params counts: the token budget's (and the fits') N, "non_embedding" or "total"
     n_other: dict[str, float] | None = None  # the other count per size (with the embedding, or without), for notes
 
@@ -228,6 +229,7 @@ def load_study(study_dir: str | Path) -> StudyData:
         best=_read_best(files.best),
         blocks=_blocks(files, sizes_info, results),
         machine=info.get("machine") or {},
+        search_seed=info.get("search_seed", (info.get("spec", {}).get("seeds") or [0])[0]),  # older: the first
         n_count=n_count,
         n_other=n_other,
     )

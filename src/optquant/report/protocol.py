@@ -99,9 +99,9 @@ def tuning_table(d: StudyData) -> Table:
     rows = tuple((d.label(o), g.replace("+", " + "), f"{share[(o, g, rule)]:.1%}", RULES.get(rule, rule),
                   *(cells[(o, g, rule)].get(s, "–") for s in sizes))
                  for o, g, rule in sorted(cells, key=lambda k: (order.get(k[0], 99), k[1])))
-    seed0 = (d.spec.get("seeds") or [0])[0]
     caption = (f"From best.json: each optimizer's parameter groups as built for its best run at each size (seed "
-               f"{seed0}), their LR (peak, before the schedule) and rule; share of parameters at the largest size. "
+               f"{d.search_seed}), their LR (peak, before the schedule) and rule; share of parameters at the largest "
+               "size. "
                "A flag after the LR names a search that ended unbracketed (cap). A fixed step size moving ≥ 1 % "
                "of the parameters leaves its optimizer untuned: claims comparing it are not testable.")
     return Table("tuning", title, ("optimizer", "parameter group", "share", "how chosen",

@@ -18,7 +18,7 @@ from optquant.report.tables import Table
 from optquant.runs import StudyDir
 
 PARTS = ("training", "ptq", "analysis", "qat")
-STAGES = ("fp", "cl", "ptq", "outliers", "qat")
+STAGES = ("fp", "cl", "ptq", "outliers", "qat", "robust")
 
 
 def read_timings(root: Path) -> list[dict]:

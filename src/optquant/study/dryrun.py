@@ -19,54 +19,26 @@ from dataclasses import dataclass
 
 from optquant.cost import DEFAULT_GPU, GPUConfig, RunCost, gb, meta_model, run_cost
 from optquant.data import check_epochs, epochs, train_tokens
-from optquant.study.spec import StudySpec, lr_grid, run_config
-from optquant.study.tuning import group_fields
+from optquant.study.plan import planned
+from optquant.study.spec import StudySpec, run_config
+
+TRAINING = ("fp", "cl", "qat", "robust")  # the job kinds that train (their runs are the GPU-hours)
 
 
 @dataclass(frozen=True)
-class Stage:
+class Row:
+    kind: str  # of its jobs, as the table says (study/plan.py Stage)
     name: str
     jobs: int
     train_runs: dict[tuple[str, str], float]  # (optimizer, size) → full-budget training runs in the stage
 
 
-def stages(spec: StudySpec) -> list[Stage]:
-    """The study's stages (study/plan.py) with their job counts; upper bounds where it decides at run
+def stages(spec: StudySpec) -> list[Row]:
+    """The study's stages (study/plan.py `STEPS`) with their job counts; upper bounds where it decides at run
     time: `lr_extensions` rounds of one new LR each (two in the first round of a one-point grid), one
     refinement, and every FP run finishing (each then gets the sweep PTQ schemes)."""
-    opts, sizes, n_seeds = spec.optimizers, spec.sizes, len(spec.seeds)
-    pairs = [(o, s) for o in opts for s in sizes]
-    sweep = {(o, sizes[0]): sum(len(v) for v in spec.sweeps.get(o, {}).values()) for o in opts}
-    grid = {(o, s): len(lr_grid(spec, o)) for o, s in pairs}
-    ext = {k: spec.lr_extensions + (grid[k] == 1 and spec.lr_extensions > 0) for k in pairs}
-    refine = {k: int(spec.lr_refine) for k in pairs}
-    n_groups = {o: len(group_fields(spec, o)) for o in opts}
-    per_search = spec.lr_extensions + int(spec.lr_refine)
-    group = {(o, s): n_groups[o] * (3 + per_search) for o, s in pairs}  # each tied group's ratio search
-    again = {(o, s): (spec.lr_points + per_search) * bool(n_groups[o]) for o, s in pairs}  # LR, if a ratio moved
-    seeds = {k: n_seeds - 1 for k in pairs}
-    cl = {k: n_seeds for k in pairs}
-    qat = {k: n_seeds * len(spec.qat_bits) for k in pairs}
-    robust = {k: n_seeds * len(spec.robust) for k in pairs}
-    fp_runs = sum(grid.values()) + sum(ext.values()) + sum(refine.values()) + sum(seeds.values()) + sum(again.values())
-    ptq = sum(cl.values()) * len(spec.ptq_schemes) + fp_runs * len(spec.sweep_ptq_schemes)
-    out = [
-        Stage("sweeps (smallest size)", sum(sweep.values()), sweep),
-        Stage("fp sweep (first seed)", sum(grid.values()), grid),
-        Stage(f"fp extensions (≤ {spec.lr_extensions} rounds)", sum(ext.values()), ext),
-        Stage("fp refinement (≤ 1)", sum(refine.values()), refine),
-        Stage("group lr searches (tied ratios, ≤ bound)", sum(group.values()), group),
-        Stage("fp sweep again where a ratio moved (≤ bound)", sum(again.values()), again),
-        Stage("fp seeds (best LR, other seeds)", sum(seeds.values()), seeds),
-        Stage("common loss (from the kept checkpoint)", sum(cl.values()), cl),
-        Stage("ptq + analysis (CL models, FP runs)", ptq, {}),
-        Stage("outliers of every FP run", 0 if spec.sweep_ptq_schemes else fp_runs, {}),
-        Stage("qat", sum(qat.values()), qat),
-        Stage("robust arm (every entry × seed, full budget)", sum(robust.values()), robust),
-        # every scheme on each robust CL model, the first on every robust and plain final model
-        Stage("robust ptq (≤ bound)", sum(robust.values()) * (len(spec.ptq_schemes) + 1)
-              + bool(spec.robust) * sum(cl.values()), {}),
-    ]
+    out = [Row(st.kind, st.label.format(spec=spec), round(sum(jobs.values())), jobs if st.kind in TRAINING else {})
+           for st, jobs in planned(spec)]
     return [s for s in out if s.jobs]
 
 
@@ -119,9 +91,9 @@ def study_lines(spec: StudySpec, plan: GPUConfig = DEFAULT_GPU) -> list[str]:
     lines += ["", "jobs per stage (an estimate; bounds where the study decides at run time):"]
     total_jobs, total_hours = 0, 0.0
     for stage in stages(spec):
-        if stage.name.startswith("common loss"):
-            stage = Stage(stage.name, stage.jobs, {k: n * cl_fraction(spec, *k, budgets[k])
-                                                   for k, n in stage.train_runs.items()})
+        if stage.kind == "cl":
+            stage = Row(stage.kind, stage.name, stage.jobs, {k: n * cl_fraction(spec, *k, budgets[k])
+                                                 for k, n in stage.train_runs.items()})
         hours = sum(n * budgets[k].gpu_hours for k, n in stage.train_runs.items())
         total_jobs, total_hours = total_jobs + stage.jobs, total_hours + hours
         lines.append(f"  {stage.name:52} {stage.jobs:>6} jobs" + (f"  {_hours(hours)} GPU-h" if hours else ""))

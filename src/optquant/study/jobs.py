@@ -9,8 +9,8 @@ methods every job has:
     run()       (result, seconds by part) after doing the work in this process ({} = the job is one part)
     describe()  what costs.jsonl records: kind, stage, optimizer, size, part
 
-and two attributes: `key` (unique within a study) and `stage` (fp, cl, qat, ptq or outliers: the class of
-job the ETA prices, study/progress.py).
+and two attributes: `key` (unique within a study) and `stage` (fp, cl, qat, robust, ptq or outliers: the class of
+job the ETA prices, study/eta.py).
 
 A run directory is locked (runs.locked: fcntl, released when the process dies) while a job works in it,
 as `optquant train/ptq/analyze` lock it, so no two processes ever write the same run at once.
@@ -48,7 +48,7 @@ class Job(Protocol):
     def key(self) -> str: ...  # unique within a study: the run id, or run id/weights/scheme
 
     @property
-    def stage(self) -> str: ...  # fp, cl, qat, ptq or outliers
+    def stage(self) -> str: ...  # fp, cl, qat, robust, ptq or outliers
 
     def done(self) -> Result | None: ...
 
@@ -94,7 +94,9 @@ class TrainJob:
 
     @property
     def stage(self) -> str:
-        return "qat" if self.cfg.qat is not None else "cl" if self.cfg.train.cl_threshold is not None else "fp"
+        cfg = self.cfg  # a robust run has the CL threshold set but trains its full budget
+        return ("qat" if cfg.qat is not None else "robust" if cfg.robust.method != "none"
+                else "cl" if cfg.train.cl_threshold is not None else "fp")
 
     def done(self) -> Result | None:
         summary = read_summary(self.dir)

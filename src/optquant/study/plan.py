@@ -18,8 +18,9 @@ import logging
 import math
 import os
 import shutil
+from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,8 @@ from optquant.runs import RunDir, StudyDir, read_config, read_metrics, run_dir
 from optquant.study.bracket import bracket
 from optquant.study.executor import WorkerPool, execute, threads_per_worker
 from optquant.study.jobs import Job, OutliersJob, PTQJob, Result, TrainJob
-from optquant.study.spec import StudySpec, lr_grid, run_config
-from optquant.study.tuning import LRSearch, loss_of, losses, ratio_settings, step_sizes, tune
+from optquant.study.spec import StudySpec, lr_grid, repeat_seeds, run_config, search_seed
+from optquant.study.tuning import LRSearch, group_fields, loss_of, losses, ratio_settings, step_sizes, tune
 
 log = logging.getLogger(__name__)
 CL_SLACK = 1e-4
@@ -74,9 +75,20 @@ class Study:
         return {tag: results[d.name] for tag, d in dirs.items()}
 
 
-def sweep_stage(study: Study) -> dict[str, tuple[str, ...]]:
+@dataclass
+class State:
+    """What the steps of `run_study` hand on to the later ones."""
+
+    swept: dict[str, tuple[str, ...]] = field(default_factory=dict)  # optimizer → its swept settings
+    found: dict[Key, LRSearch] = field(default_factory=dict)
+    thresholds: dict[str, float] = field(default_factory=dict)  # size → Common Loss
+    cl_paths: dict[tuple, Path] = field(default_factory=dict)  # (optimizer, size, seed) → CL model's run
+    qat: dict[str, tuple[str, Result]] = field(default_factory=dict)
+
+
+def sweep_stage(study: Study, state: State) -> None:
     """The paper's sequential 1-D sweeps at the smallest size: each hyperparameter's best value is
-    kept for the next sweep and for every size. Returns per-optimizer settings (`field=value`)."""
+    kept for the next sweep and for every size: `state.swept`, per-optimizer settings (`field=value`)."""
     spec = study.spec
     tuned: dict[str, tuple] = {opt: () for opt in spec.optimizers}
     for opt, params in spec.sweeps.items():
@@ -84,20 +96,22 @@ def sweep_stage(study: Study) -> dict[str, tuple[str, ...]]:
             continue
         center = lr_grid(spec, opt)[len(lr_grid(spec, opt)) // 2]
         for param, values in params.items():
-            cfgs = {v: run_config(spec, spec.sizes[0], opt, center, spec.seeds[0], extra=(*tuned[opt], f"{param}={v}"))
+            cfgs = {v: run_config(spec, spec.sizes[0], opt, center, search_seed(spec.seeds),
+                                  extra=(*tuned[opt], f"{param}={v}"))
                     for v in values}
             results = study.train(f"sweep {opt} {param}", cfgs)
             best = min(values, key=lambda v: loss_of(results[v]))
             tuned[opt] = (*tuned[opt], f"{param}={best}")
             log.info("sweep %s: %s = %s", opt, param, best)
-    return tuned
+    state.swept = tuned
 
 
-def fp_stage(study: Study, swept: dict[str, tuple[str, ...]]) -> dict[Key, LRSearch]:
-    """The step-size search per (optimizer, size) on the first seed (study/tuning.py: the LR, and each tied
-    group's ratio, bracketed and refined), then the best point's run for every other seed."""
-    spec = study.spec
-    seed0 = spec.seeds[0]
+def fp_stage(study: Study, state: State) -> None:
+    """The step-size search per (optimizer, size) on the search seed (study/tuning.py: the LR, and each tied
+    group's ratio, bracketed and refined), then the best point's run for every other seed: `state.found`.
+    Warns of the (optimizer, size) pairs without a converged LR."""
+    spec, swept = study.spec, state.swept
+    seed0 = search_seed(spec.seeds)
 
     def config(key: Key, lr: float, ratios: dict, seed: int = seed0) -> RunConfig:
         return fp_config(spec, key, lr, seed, swept[key[0]], ratio_settings(ratios))
@@ -105,14 +119,14 @@ def fp_stage(study: Study, swept: dict[str, tuple[str, ...]]) -> dict[Key, LRSea
     found = tune(study.train, spec, config)
     ends = {key: bracket(losses(t.lr_runs)) for key, t in found.items()}
     seeds = {(key, seed): config(key, b.best, found[key].ratios, seed) for key, b in ends.items()
-             if b.best is not None for seed in spec.seeds[1:]}
+             if b.best is not None for seed in repeat_seeds(spec.seeds)}
     others = study.train("fp seeds", seeds) if seeds else {}
     out = {}
     for key, b in ends.items():
         t = found[key]
         per_lr = {lr: [s] for lr, s in sorted(t.lr_runs.items())}
         if b.best is not None:
-            per_lr[b.best] += [others[(key, seed)] for seed in spec.seeds[1:]]
+            per_lr[b.best] += [others[(key, seed)] for seed in repeat_seeds(spec.seeds)]
         best_losses = [loss_of(x) for x in per_lr[b.best]] if b.best is not None else [math.inf]
         out[key] = LRSearch(per_lr, b.best, b.status, b.reason, sum(best_losses) / len(best_losses), swept[key[0]],
                             t.ratios, {f: losses(r) for f, r in t.ratio_runs.items()},
@@ -120,7 +134,8 @@ def fp_stage(study: Study, swept: dict[str, tuple[str, ...]]) -> dict[Key, LRSea
                             step_sizes(config(key, b.best if b.best is not None else 1e-3, t.ratios), set(t.ratios)))
         if b.status != "bracketed":
             log.warning("%s at %s: best LR %s not bracketed (%s): %s", *key, b.best, b.status, b.reason)
-    return out
+    state.found = out
+    warn_unconverged(study, out)
 
 
 def fp_config(spec: StudySpec, key: Key, lr: float, seed: int, sweeps: tuple[str, ...] = (),
@@ -138,13 +153,13 @@ def cl_settings(spec: StudySpec, threshold: float, source: Path) -> dict[str, An
             "train.cl_eval_from": last_eval_before(read_metrics(source), threshold)}
 
 
-def cl_stage(study: Study, found: dict[Key, LRSearch]) -> tuple[dict[str, float], dict[tuple, Path]]:
+def cl_stage(study: Study, state: State) -> None:
     """Common Loss per size: the worst of the optimizers' best-LR losses over every seed, so that every
     best-LR run of every seed crosses it. Each CL model is found at a resolution of `cl_eval_every`
     steps with the fp32 evaluator, starting from the kept checkpoint of the last evaluation before the
-    crossing (a deterministic run resumes exactly where a replay would be). Returns the thresholds by
-    size and the CL models' run directories by (optimizer, size, seed)."""
-    spec, thresholds, cfgs = study.spec, {}, {}
+    crossing (a deterministic run resumes exactly where a replay would be). Sets the thresholds by size
+    and the CL models' run directories by (optimizer, size, seed)."""
+    spec, found, thresholds, cfgs = study.spec, state.found, {}, {}
     done = [(key, s) for key, search in found.items() for s in search.best_runs()
             if s.get("status") == "done" and s.get("best_val_loss") is not None]
     for size in spec.sizes:
@@ -167,7 +182,7 @@ def cl_stage(study: Study, found: dict[Key, LRSearch]) -> tuple[dict[str, float]
             log.warning("%s never reached the common loss; left out of PTQ", path.name)
         else:
             paths[key] = path
-    return thresholds, paths
+    state.thresholds, state.cl_paths = thresholds, paths
 
 
 def last_eval_before(records: list[dict], threshold: float) -> int:
@@ -203,32 +218,32 @@ def prune_history(study: Study) -> None:
         shutil.rmtree(RunDir(run).history, ignore_errors=True)
 
 
-def ptq_stage(study: Study, cl_paths: dict[tuple, Path], found: dict[Key, LRSearch]) -> dict[str, Result]:
+def ptq_stage(study: Study, state: State) -> None:
     """Every PTQ scheme on every CL model (with the built-in MC task, or the lm-eval tasks of `eval.tasks`);
     the sweep schemes, outliers and ABC on the final model of every finished FP run (val loss only), for
     correlations within each size."""
     spec = study.spec
     mc = mc_items(spec)
-    jobs: list[Job] = [ptq_job(path, scheme, "cl", mc, spec.eval) for path in cl_paths.values()
+    jobs: list[Job] = [ptq_job(path, scheme, "cl", mc, spec.eval) for path in state.cl_paths.values()
                        for scheme in spec.ptq_schemes]
-    finished = [study.runs / s["run_id"] for search in found.values() for sums in search.lrs.values() for s in sums
+    finished = [study.runs / s["run_id"] for search in state.found.values() for sums in search.lrs.values()
+                for s in sums
                 if s.get("status") == "done"]
     jobs += [ptq_job(path, scheme, "final", 0) for path in finished for scheme in spec.sweep_ptq_schemes]
     if not spec.sweep_ptq_schemes:
         jobs += [OutliersJob(path) for path in finished]
-    return study.run("ptq + analysis", jobs)
+    study.run("ptq + analysis", jobs)
 
 
-def bits_stage(study: Study, cl_paths: dict[tuple, Path]) -> None:
+def bits_stage(study: Study, state: State) -> None:
     """Issue 31's report section: each CL model's bit plan at +0.5 bits over W4 (the decomposition's score, one
     ABC walk; choices 4,8) under the first PTQ scheme without its rotation, written atomically to
     STUDY/bits/<run id>.json with its (size, optimizer, seed) for report/bit_plans.py.
     A plan already there is kept: a resumed study computes only the missing ones. Runs in the study's process:
     a walk costs about one PTQ job's analysis."""
     from optquant.ptq_stage import LoadedRun, model_bits
-    from optquant.report.bit_plans import BITS_DIR
 
-    todo = {k: p for k, p in cl_paths.items() if not (study.root / BITS_DIR / f"{p.name}.json").exists()}
+    todo = {k: p for k, p in state.cl_paths.items() if not (study.dir.bits / f"{p.name}.json").exists()}
     if not study.spec.ptq_schemes or not todo:
         return
     study.emit(event="stage", stage="bit plans", jobs=0)
@@ -238,7 +253,7 @@ def bits_stage(study: Study, cl_paths: dict[tuple, Path]) -> None:
     for (opt, size, seed), path in sorted(todo.items(), key=lambda kv: str(kv[0])):
         record = model_bits(LoadedRun(path, "cl"), qcfg, acfg, 4.5, (4, 8))
         run = {"run": path.name, "size": size, "optimizer": opt, "seed": seed}
-        atomic_write_json(study.root / BITS_DIR / f"{path.name}.json", record | run)
+        atomic_write_json(study.dir.bits / f"{path.name}.json", record | run)
 
 
 def mc_items(spec: StudySpec) -> int:
@@ -252,27 +267,31 @@ def ptq_job(path: Path, scheme: str, weights: str, mc_items: int, harness: Harne
     return PTQJob(path, scheme_config(scheme), AnalysisConfig(weights=weights, mc_items=mc_items, harness=tasks))
 
 
-def qat_stage(study: Study, found: dict[Key, LRSearch]) -> dict[str, tuple[str, Result]]:
-    """QuEST QAT at each best LR, for every seed and bit width; run id → (size, summary)."""
+def qat_stage(study: Study, state: State) -> None:
+    """QuEST QAT at each best LR, for every seed and bit width: `state.qat`, run id → (size, summary)."""
     spec = study.spec
-    cfgs = {run_dir(study.runs, cfg).name: (key[1], cfg) for key, search in found.items()
+    if not spec.qat_bits:
+        return
+    cfgs = {run_dir(study.runs, cfg).name: (key[1], cfg) for key, search in state.found.items()
             if search.best is not None and search.converged
             for seed in spec.seeds for b in spec.qat_bits
             for cfg in [fp_config(spec, key, search.best, seed, search.sweeps,
                                   {**search.settings(), "qat.method": "quest", "qat.w_bits": b, "qat.a_bits": b})]}
     results = study.train("qat", {run_id: cfg for run_id, (_, cfg) in cfgs.items()})
-    return {run_id: (size, results[run_id]) for run_id, (size, _) in cfgs.items()}
+    state.qat = {run_id: (size, results[run_id]) for run_id, (size, _) in cfgs.items()}
 
 
-def robust_stage(study: Study, found: dict[Key, LRSearch], thresholds: dict, cl_paths: dict) -> None:
+def robust_stage(study: Study, state: State) -> None:
     """The robust arm (study/robust.py): each best-LR run of every seed again with each `robust` entry, with
     the size's CL threshold set; every PTQ scheme on their CL models, the first on their final models and
     the plain runs' (the plain CL models' PTQ is the PTQ stage's, read back). Writes robust.parquet."""
     from optquant.quant.robust_config import entry_overrides
     from optquant.study.robust import robust_rows, write_robust
 
-    spec, plain, cfgs = study.spec, {}, {}
-    for (opt, size), search in found.items():
+    spec, plain, cfgs, thresholds, cl_paths = study.spec, {}, {}, state.thresholds, state.cl_paths
+    if not spec.robust:
+        return
+    for (opt, size), search in state.found.items():
         runs = [study.runs / s["run_id"] for s in search.best_runs() if s.get("status") == "done"]
         for source in runs if size in thresholds else []:
             seed, threshold = read_config(source).seed, thresholds[size] * (1 + CL_SLACK)
@@ -293,10 +312,138 @@ def robust_stage(study: Study, found: dict[Key, LRSearch], thresholds: dict, cl_
     write_robust(study.root, robust_rows(spec, cl_models, finals, {**plain, **runs}, {**by_run, **results}))
 
 
-def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Path:
-    """Run (or resume) the whole study in `root`; returns the report's path."""
-    from optquant.report import render_report
+def results_stage(study: Study, state: State) -> None:
+    """Drop the kept checkpoints (QAT runs keep theirs too: their config must equal their FP twin's but for
+    qat), then write results.parquet, best.json, the fits and the correlations (study/results.py)."""
     from optquant.study.results import write_results
+
+    prune_history(study)
+    write_results(study, state.found, state.thresholds, state.cl_paths, state.qat)
+
+
+# ---------------------------------------------------------------- the table of stages
+Counts = dict[str, Counter]  # job kind (and "analysed") → (optimizer, size) → jobs of the stages so far
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A row of the study's table: the kind of its jobs (what costs.jsonl records as `stage`: fp, cl, ptq,
+    outliers or qat), its label (formatted with `spec`), and its jobs per (optimizer, size), from the spec
+    and the earlier rows' counts: what it runs, or at most runs where the study decides at run time.
+    `expected`: the share of that count a study is expected to run (the ETA's plan); `analysed`: its
+    finished runs get the sweep PTQ schemes (or the outliers)."""
+
+    kind: str
+    label: str
+    jobs: Callable[[StudySpec, Counts], dict[Key, float]]
+    expected: Callable[[StudySpec], float] = lambda spec: 1.0
+    analysed: bool = True
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step of `run_study`: the function that runs its stages (none: a step with no jobs of its own to
+    plan), reading and adding to the study's State."""
+
+    run: Callable[[Study, State], None]
+    stages: tuple[Stage, ...] = ()
+
+
+def _each(spec: StudySpec, jobs: Callable[[str], float]) -> dict[Key, float]:
+    """`jobs(optimizer)` at every (optimizer, size)."""
+    return {(o, s): n for o in spec.optimizers for n in [jobs(o)] for s in spec.sizes}
+
+
+def _pairs(spec: StudySpec) -> list[Key]:
+    return [(o, s) for o in spec.optimizers for s in spec.sizes]
+
+
+def _after_grid(spec: StudySpec) -> int:
+    """Points a 1-D search adds to its grid at most: the extension rounds and one refinement."""
+    return spec.lr_extensions + int(spec.lr_refine)
+
+
+def _ptq(spec: StudySpec, c: Counts) -> dict[Key, float]:
+    """Every PTQ scheme on each CL model, the sweep schemes on each analysed FP run."""
+    return {k: c["cl"][k] * len(spec.ptq_schemes) + c["analysed"][k] * len(spec.sweep_ptq_schemes)
+            for k in _pairs(spec)}
+
+
+def _one_round(spec: StudySpec) -> float:
+    return min(1.0, 1 / max(1, spec.lr_extensions))
+
+
+def _half(spec: StudySpec) -> float:
+    return 0.5
+
+
+STEPS = (
+    Step(sweep_stage, (Stage("fp", "sweeps (smallest size)", lambda spec, c: {
+        (o, spec.sizes[0]): sum(len(v) for v in spec.sweeps.get(o, {}).values()) for o in spec.optimizers},
+        analysed=False),)),
+    Step(fp_stage, (
+        Stage("fp", "fp sweep (first seed)", lambda spec, c: _each(spec, lambda o: len(lr_grid(spec, o)))),
+        Stage("fp", "fp extensions (≤ {spec.lr_extensions} rounds)", lambda spec, c: _each(
+            spec, lambda o: spec.lr_extensions + (len(lr_grid(spec, o)) == 1 and spec.lr_extensions > 0)),
+            expected=_one_round),  # two new LRs in the first round of a one-point grid
+        Stage("fp", "fp refinement (≤ 1)", lambda spec, c: _each(spec, lambda o: int(spec.lr_refine))),
+        Stage("fp", "group lr searches (tied ratios, ≤ bound)", lambda spec, c: _each(
+            spec, lambda o: len(group_fields(spec, o)) * (3 + _after_grid(spec))), expected=_half, analysed=False),
+        Stage("fp", "fp sweep again where a ratio moved (≤ bound)", lambda spec, c: _each(
+            spec, lambda o: (spec.lr_points + _after_grid(spec)) * bool(group_fields(spec, o))), expected=_half),
+        Stage("fp", "fp seeds (best LR, other seeds)", lambda spec, c: _each(
+            spec, lambda o: len(repeat_seeds(spec.seeds)))),
+    )),
+    Step(cl_stage, (Stage("cl", "common loss (from the kept checkpoint)", lambda spec, c: _each(
+        spec, lambda o: len(spec.seeds))),)),
+    Step(ptq_stage, (
+        Stage("ptq", "ptq + analysis (CL models, FP runs)", _ptq),
+        Stage("outliers", "outliers of every FP run", lambda spec, c: {
+            k: 0 if spec.sweep_ptq_schemes else c["analysed"][k] for k in _pairs(spec)}),
+    )),
+    Step(bits_stage),  # in the study's process, no jobs: a plan costs about one PTQ job's analysis
+    Step(qat_stage, (Stage("qat", "qat", lambda spec, c: _each(
+        spec, lambda o: len(spec.seeds) * len(spec.qat_bits))),)),
+    Step(robust_stage, (
+        Stage("robust", "robust arm (every entry × seed, full budget)", lambda spec, c: _each(
+            spec, lambda o: len(spec.seeds) * len(spec.robust))),
+        # every scheme on each robust CL model, the first on every robust and plain final model
+        Stage("ptq", "robust ptq (≤ bound)", lambda spec, c: {
+            k: c["robust"][k] * (len(spec.ptq_schemes) + 1) + bool(spec.robust) * c["cl"][k] for k in _pairs(spec)}),
+    )),
+    Step(results_stage),
+)
+
+
+def planned(spec: StudySpec, expected: bool = False) -> list[tuple[Stage, dict[Key, float]]]:
+    """Every row of the table with its jobs per (optimizer, size): at most (the dry run), or with `expected`
+    the share a study is expected to run (the ETA), each row counted from the earlier rows' counts."""
+    counts: Counts = defaultdict(Counter)
+    out = []
+    for step in STEPS:
+        for st in step.stages:
+            share = st.expected(spec) if expected else 1.0
+            jobs = {k: n * share for k, n in st.jobs(spec, counts).items() if n}
+            counts[st.kind].update(jobs)
+            if st.analysed and st.kind == "fp":
+                counts["analysed"].update(jobs)
+            out.append((st, jobs))
+    return out
+
+
+def phase(kind: str) -> int:
+    """The pipeline position of a job kind: the first step of the table that runs it (-1: none)."""
+    return next((i for i, step in enumerate(STEPS) if any(st.kind == kind for st in step.stages)), -1)
+
+
+def last_phase(kind: str) -> int:
+    """The last step of the table that runs jobs of `kind` (-1: none): after it, that kind's count is what ran."""
+    return max((i for i, step in enumerate(STEPS) if any(st.kind == kind for st in step.stages)), default=-1)
+
+
+def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Path:
+    """Run (or resume) the whole study in `root`, step by step of the table `STEPS`; returns the report's path."""
+    from optquant.report import render_report
     from optquant.study.validate import validate_spec
 
     validate_spec(spec)  # the same check as the CLI's, for callers of the library
@@ -305,17 +452,11 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
     with WorkerPool(spec.workers) as pool:  # started by the first batch that needs it
         study = Study(spec, Path(root), on_event, pool)
         study.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(study.dir.study, {"spec": asdict(spec), "sizes": _sizes(spec), "machine": machine(spec)})
-        found = fp_stage(study, sweep_stage(study))
-        warn_unconverged(study, found)
-        thresholds, cl_paths = cl_stage(study, found)
-        ptq_stage(study, cl_paths, found)
-        bits_stage(study, cl_paths)
-        qat = qat_stage(study, found) if spec.qat_bits else {}
-        if spec.robust:
-            robust_stage(study, found, thresholds, cl_paths)
-        prune_history(study)  # QAT runs keep theirs too: their config must equal their FP twin's but for qat
-        write_results(study, found, thresholds, cl_paths, qat)
+        atomic_write_json(study.dir.study, {"spec": asdict(spec), "sizes": _sizes(spec), "machine": machine(spec),
+                                            "search_seed": search_seed(spec.seeds)})
+        state = State()
+        for step in STEPS:
+            step.run(study, state)
     study.emit(event="stage", stage="report", jobs=0)
     return render_report(study.root)
 

@@ -22,7 +22,7 @@ repeated with each and measured at the Common Loss like the plain runs (study/ro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from optquant.config import RunConfig, override, parse_overrides, parse_value, run_preset, set_field
@@ -71,6 +71,16 @@ def run_config(spec: StudySpec, size: str, opt: str, lr: float | None = None, se
     values = parse_overrides([*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()), *extra])
     values |= {**({} if lr is None else {"optim.lr": lr}), "seed": seed, **(settings or {})}
     return replace(override(base, values), name=f"{spec.name}-{size}")
+
+
+def search_seed(seeds: tuple[int, ...]) -> int:
+    """The seed every search runs with (the sweeps, the LR and ratio searches): the first."""
+    return seeds[0]
+
+
+def repeat_seeds(seeds: tuple[int, ...]) -> tuple[int, ...]:
+    """The seeds that repeat each search's best point (its FP run; the CL and QAT runs use every seed)."""
+    return tuple(seeds[1:])
 
 
 def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
@@ -201,3 +211,15 @@ def _known_optimizer(name: str, where: str) -> str:
     if not is_optimizer(name):
         raise OptquantError(f"{where}: unknown optimizer {name!r}; choose from {', '.join(OPTIMIZERS)}")
     return name
+
+
+def spec_from_dict(d: dict) -> StudySpec:
+    """The StudySpec of a study.json "spec" (lists back to tuples; keys this version lacks are dropped)."""
+    names = {f.name for f in fields(StudySpec)}
+    tup = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
+    tup["lrs"] = {k: tuple(v) for k, v in d.get("lrs", {}).items()}
+    tup["per_optimizer"] = {k: tuple(v) for k, v in d.get("per_optimizer", {}).items()}
+    tup["sweeps"] = {o: {p: tuple(v) for p, v in ps.items()} for o, ps in d.get("sweeps", {}).items()}
+    ev = d.get("eval") or {}
+    tup["eval"] = HarnessConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ev.items()})
+    return StudySpec(**tup)

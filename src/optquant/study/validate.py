@@ -22,7 +22,7 @@ from optquant.config import MAX_NAME, NAME
 from optquant.errors import OptquantError
 from optquant.optim import OPTIMIZERS, is_optimizer
 from optquant.quant.ptq import SCHEMES
-from optquant.study.spec import StudySpec, lr_grid, run_config
+from optquant.study.spec import StudySpec, lr_grid, run_config, search_seed
 
 REMOTE_WORKERS = 1024  # the stated cap of concurrent jobs for the Slurm executors
 
@@ -82,16 +82,16 @@ def _check_runs(spec: StudySpec) -> None:
                 raise OptquantError(f"lrs.{opt}: {lr} is not a positive learning rate")
         for size in spec.sizes:
             for lr in grid:
-                _run(spec, f"lrs.{opt}={lr} at size {size}", size, opt, lr, spec.seeds[0])
+                _run(spec, f"lrs.{opt}={lr} at size {size}", size, opt, lr, search_seed(spec.seeds))
             for seed in spec.seeds:
                 _run(spec, f"seeds={seed}", size, opt, None, seed)
             for b in spec.qat_bits:
-                _run(spec, f"qat_bits={b}", size, opt, None, spec.seeds[0],
+                _run(spec, f"qat_bits={b}", size, opt, None, search_seed(spec.seeds),
                      {"qat.method": "quest", "qat.w_bits": b, "qat.a_bits": b})
         for param, values in spec.sweeps.get(opt, {}).items():
             _list(f"sweeps.{opt}.{param}", values)
             for v in values:
-                _run(spec, f"sweeps.{opt}.{param}={v}", spec.sizes[0], opt, None, spec.seeds[0],
+                _run(spec, f"sweeps.{opt}.{param}={v}", spec.sizes[0], opt, None, search_seed(spec.seeds),
                      extra=(f"{param}={v}",))
 
 

@@ -1,4 +1,4 @@
-"""The study's ETA (optquant.study.progress) replayed on recorded studies, and the CLI's progress display.
+"""The study's ETA (optquant.study.eta) replayed on recorded studies, and the CLI's progress display.
 
 tests/data/costs-<name>.jsonl is a real study's costs.jsonl (the replay's fields only; benchmarks/eta.py
 --fixture writes it) with its study.json spec beside it as study-<name>.json. Replaying it in order of
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from optquant.study.progress import CostETA, plan_cells, replay, spec_from_dict
-from optquant.study.spec import study_preset
+from optquant.study.eta import CostETA, plan_cells, replay
+from optquant.study.spec import spec_from_dict, study_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from eta import checkpoints, load  # noqa: E402  (benchmarks/eta.py: the same checkpoints it prints)

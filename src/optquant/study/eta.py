@@ -3,33 +3,33 @@
 Counting jobs makes a poor clock: a study's jobs differ a thousandfold in cost (a PTQ job takes a
 second, a QAT run at the largest size minutes), and the slow QAT stage comes after the fast PTQ jobs. So
 the plan is priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start: its
-expected job count (the dry run's stages, study/dryrun.py, with one LR extension round per search as
-`expected` assumes, and half of any other upper bound) and a prior cost per job (training FLOPs, or
+expected job count (the table of stages, study/plan.py `STEPS`, each row at its `expected` share: one
+LR extension round per search, half of any other upper bound) and a prior cost per job (training FLOPs, or
 PTQ forward passes, at `CPU_FLOPS`; half the CL upper bound). Each costs.jsonl record (study/executor.py)
 then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best
 LR's runs, under the machine's current load); for CL and QAT, its FP twin's mean times the CL/FP or
 QAT/FP ratio measured in other cells; the prior scaled by the measured/prior ratio of the same class and
-optimizer, then class, then all jobs. A later class appearing ends the earlier ones (their counts become
+optimizer, then class, then all jobs. A job of a later step of the table ends the earlier ones (their counts become
 what ran: extensions that never came are dropped), and the PTQ counts are recomputed from the FP
 runs that actually finished.
 
 remaining wall time = remaining worker-seconds / measured parallelism (worker-seconds done per second of
 wall time, between 1 and `workers`) − the time since the last completion; the display counts down
 between completions. `replay` runs the same estimator, and tqdm's own job-count ETA for comparison,
-over a recorded costs.jsonl (tests/test_progress.py, benchmarks/eta.py).
+over a recorded costs.jsonl (tests/test_eta.py, benchmarks/eta.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from optquant.study.plan import STEPS, last_phase, phase, planned
 from optquant.study.spec import StudySpec, run_config
 
 CPU_FLOPS = 2e9  # prior effective FLOP/s of one CPU worker on these small models; corrected by the first jobs
 QAT_OVER_FP = 1.3  # prior QAT/FP cost ratio (QuEST's quantizers), corrected once a QAT run finishes
-ORDER = {"fp": 0, "cl": 1, "ptq": 2, "outliers": 2, "qat": 3}  # the pipeline's order of stage classes
 RECENT = 3  # a cell's estimate is the mean of its last RECENT jobs
 PRIOR_WEIGHT_S = 60.0  # the parallelism prior counts as this many seconds of observed wall time
 
@@ -49,41 +49,27 @@ class Cell:
         return sum(self.recent) / len(self.recent) if self.recent else math.nan
 
 
-def expected(stage: str, spec: StudySpec) -> float:
-    """The share of a dry-run stage's upper bound (study/dryrun.py) a study is expected to run: one of the
-    `lr_extensions` rounds, half of any other bound, all of the rest."""
-    if "extension" in stage:
-        return min(1.0, 1 / max(1, spec.lr_extensions))
-    return 0.5 if "bound" in stage else 1.0
-
-
 def plan_cells(spec: StudySpec) -> dict[tuple[str, str, str], Cell]:
     """(class, optimizer, size) → its expected jobs and prior seconds per job, from the StudySpec alone:
-    the dry run's stages (study/dryrun.py `stages`, scaled by `expected`) and its FLOPs."""
-    from collections import Counter
-
+    the table of stages (study/plan.py `planned`, each row at the share it is expected to run) and its FLOPs."""
     from optquant.cost import DEFAULT_GPU, EVAL_FORWARDS, eval_flops
-    from optquant.study.dryrun import cl_fraction, run_costs, stages
+    from optquant.study.dryrun import cl_fraction, run_costs
 
-    budgets = run_costs(spec, DEFAULT_GPU)
-    runs: dict[str, Counter] = {c: Counter() for c in ("fp", "cl", "qat", "sweeps")}
-    for st in stages(spec):
-        cls = "cl" if st.name.startswith("common loss") else "qat" if st.name == "qat" else \
-            "sweeps" if st.name.startswith("sweeps") else "fp"
-        for k, n in st.train_runs.items():
-            runs[cls][k] += n * expected(st.name, spec)
-    n_seeds, out = len(spec.seeds), {}
+    budgets, runs = run_costs(spec, DEFAULT_GPU), defaultdict(Counter)
+    for st, jobs in planned(spec, expected=True):
+        runs[st.kind].update(jobs)
+    out = {}
     for (o, s), b in budgets.items():
         cfg = run_config(spec, s, o)
         forward = {kind: eval_flops(cfg, b.n_params, n) / CPU_FLOPS for kind, n in EVAL_FORWARDS.items()}
-        train, fp = b.flops / CPU_FLOPS, runs["fp"][(o, s)]
-        out[("fp", o, s)] = Cell(fp + runs["sweeps"][(o, s)], train)
+        train = b.flops / CPU_FLOPS
+        out[("fp", o, s)] = Cell(runs["fp"][(o, s)], train)
         # cl_fraction is an upper bound (a CL run stops at its crossing, on average halfway through the interval)
         out[("cl", o, s)] = Cell(runs["cl"][(o, s)], train * cl_fraction(spec, o, s, b) / 2)
-        out[("ptq", o, s)] = Cell(n_seeds * len(spec.ptq_schemes) + fp * len(spec.sweep_ptq_schemes), forward["ptq"])
-        if not spec.sweep_ptq_schemes:
-            out[("outliers", o, s)] = Cell(fp, forward["outliers"])
+        out[("ptq", o, s)] = Cell(runs["ptq"][(o, s)], forward["ptq"])
+        out[("outliers", o, s)] = Cell(runs["outliers"][(o, s)], forward["outliers"])
         out[("qat", o, s)] = Cell(runs["qat"][(o, s)], train * QAT_OVER_FP)
+        out[("robust", o, s)] = Cell(runs["robust"][(o, s)], train)  # a full-budget run (the methods' cost aside)
     return {k: c for k, c in out.items() if c.planned > 0}
 
 
@@ -105,7 +91,7 @@ class CostETA:
         cell.recent = [*cell.recent, float(r["seconds"])][-RECENT:]
         cell.planned = max(cell.planned, cell.done)
         self.busy, self.jobs, self.t_last = self.busy + float(r["seconds"]), self.jobs + 1, max(self.t_last, r["end"])
-        self._advance(ORDER.get(key[0], self.phase))
+        self._advance(at if (at := phase(key[0])) >= 0 else self.phase)
 
     def skip(self, cls: str, now: float) -> None:
         """A job of class `cls` answered from its files (a resumed study): one planned job fewer."""
@@ -114,20 +100,29 @@ class CostETA:
             max(open_cells, key=lambda c: c.planned - c.done).planned -= 1
         self.jobs, self.t_last = self.jobs + 1, max(self.t_last, now)
 
-    def _advance(self, phase: int) -> None:
-        """A job of a later class ran: the earlier classes are over (their counts become what ran), and
-        the PTQ/outlier counts follow from the FP runs that finished."""
-        if phase <= self.phase:
+    def _advance(self, at: int) -> None:
+        """A job of a later step ran: the earlier steps are over (their counts become what ran), and the
+        PTQ/outlier counts follow from the table's rows for them over the jobs that ran (the FP runs done,
+        less the expected runs of the rows whose models the PTQ stage leaves out)."""
+        if at <= self.phase:
             return
-        self.phase = phase
+        self.phase = at
+        counts: dict[str, Counter] = defaultdict(Counter)
         for (cls, o, s), c in self.cells.items():
-            if ORDER.get(cls, 0) < phase:
+            if last_phase(cls) < at:
                 c.planned = c.done
-            elif cls in ("ptq", "outliers") and ("fp", o, s) in self.cells:
-                fp = self.cells[("fp", o, s)].done - (sum(len(v) for v in self.spec.sweeps.get(o, {}).values())
-                                                       if s == self.spec.sizes[0] else 0)
-                per_fp = len(self.spec.sweep_ptq_schemes) if cls == "ptq" else 1
-                c.planned = (len(self.spec.seeds) * len(self.spec.ptq_schemes) if cls == "ptq" else 0) + fp * per_fp
+            counts[cls][(o, s)] = c.planned
+        for st, jobs in planned(self.spec, expected=True):
+            if st.kind == "fp" and not st.analysed:
+                counts["fp"].subtract(jobs)
+        counts["analysed"] = +counts["fp"]  # (+: the counts above 0)
+        later: Counter = Counter()  # the PTQ/outlier jobs of the steps not begun (the robust arm's PTQ is one)
+        for i, step in enumerate(STEPS):
+            for st in (st for st in step.stages if st.kind in ("ptq", "outliers") and i >= at):
+                later.update({(st.kind, *k): n for k, n in st.jobs(self.spec, counts).items()})
+        for key, n in later.items():
+            if (cell := self.cells.get(key)) is not None:
+                cell.planned = (cell.done if phase(key[0]) < at else 0) + n
 
     # ---------------------------------------------------------------- estimates
     def _class_mean(self, cls: str) -> float:
@@ -181,20 +176,6 @@ class CostETA:
 
     def total_jobs(self) -> int:
         return round(sum(max(c.planned, c.done) for c in self.cells.values()))
-
-
-def spec_from_dict(d: dict) -> StudySpec:
-    """The StudySpec of a study.json "spec" (lists back to tuples; keys this version lacks are dropped)."""
-    from optquant.harness import HarnessConfig
-
-    names = {f.name for f in dataclasses.fields(StudySpec)}
-    tup = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
-    tup["lrs"] = {k: tuple(v) for k, v in d.get("lrs", {}).items()}
-    tup["per_optimizer"] = {k: tuple(v) for k, v in d.get("per_optimizer", {}).items()}
-    tup["sweeps"] = {o: {p: tuple(v) for p, v in ps.items()} for o, ps in d.get("sweeps", {}).items()}
-    ev = d.get("eval") or {}
-    tup["eval"] = HarnessConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ev.items()})
-    return StudySpec(**tup)
 
 
 def replay(spec: StudySpec, records: list[dict], start: float | None = None) -> list[dict]:
