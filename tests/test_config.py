@@ -216,3 +216,12 @@ def test_each_optimizer_checks_its_own_ranges(name, override, message):
     with pytest.raises(OptquantError) as err:
         apply_overrides(run_preset("nano"), [f"optim.name={name}", override])
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizers_lr_must_be_positive(name):
+    """optim/__init__.py's contract, `lr: Positive`, for every built-in optimizer (a new one's plain `lr: float`
+    would take lr=-1 and train backwards)."""
+    for value in ("0", "-1"):
+        with pytest.raises(OptquantError, match=rf"^optim.lr=-?{value.lstrip('-')}.0: Expected `float` > 0.0$"):
+            apply_overrides(run_preset("nano"), [f"optim.name={name}", f"optim.lr={value}"])
