@@ -218,7 +218,8 @@ def workdir(tmp_path_factory, corpus):
     _mc_task(home, corpus, d / "my_tasks", "mytask")
     from test_hf import _with_tokenizer, save_tiny
 
-    _with_tokenizer(save_tiny("qwen2", home / "models" / "Qwen2.5-0.5B", vocab_size=320), corpus)
+    qwen = save_tiny("qwen2", home / "models" / "Qwen2.5-0.5B", vocab_size=320, max_position_embeddings=32768)
+    _with_tokenizer(qwen, corpus)  # its window as the real one's: the docs' --seq-len 256 fits
     return d, run
 
 
