@@ -6,7 +6,8 @@ explicit SUBS table; what cannot run here is in SKIP with its reason. A block co
 
 The cheap commands are fast tests: each runs through `optquant.cli.main` in the test's process (what the console
 script calls; a fresh interpreter would add ~3 s of imports per command) on a module fixture with a zepto run,
-together ~22 s of CPU (measured niced under load; an idle core gives about that wall time). SLOW ones (a study,
+together ~22 s of CPU (measured niced under load; an idle core gives about that wall time), plus 5.8 s for the
+paper dry run whose output docs/scale-out.md quotes. SLOW ones (a study,
 a default-sized `train`, the default study's refit) run through bash in a fresh directory, with -m slow.
 """
 
@@ -247,7 +248,7 @@ def test_a_drifted_quote_fails_naming_file_and_line(tmp_path, monkeypatch, capsy
     (q,) = quoted_outputs(doc, "docs/quoted.md")
     out = run_in_process(DocCommand(q.file, q.line, q.command), tmp_path, monkeypatch, capsys)
     compare_quoted(q, out)
-    assert unmarked_outputs(doc, "docs/quoted.md") == ["docs/quoted.md:13"]  # the table; the block is marked
+    assert unmarked_outputs(doc, "docs/quoted.md") == ["docs/quoted.md:14"]  # the table; the block is marked
     drifted = QuotedOutput(q.file, q.line, q.command, (*q.lines, "  --no-such-flag"))
     with pytest.raises(DocCommandFailed, match=r"^docs/quoted\.md:5: `optquant fit --help` no longer prints"):
         compare_quoted(drifted, out)

@@ -21,9 +21,10 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-# argv → the whole stderr. Each once did something else: --limit -1 reached lm-eval as "the first -1 items" and 0
-# as "every item" while --help said "the first N"; --mc-items -1 failed only after the FP evaluation ("multiple
-# choice: no items"); --split-seed -1 was written into the manifest that data.split_seed (>= 0) then refuses.
+# argv → the whole stderr. Each once did something else: --limit -1 and 0 reached lm-eval, whose slice
+# (instances[:limit]) then scores no item at all; --mc-items -1 failed only after the FP evaluation ("multiple
+# choice: no items"); --split-seed -1 was taken (a run's data.split_seed must be >= 0); data prepare's other counts
+# were one line already, now the range type's.
 USAGE = [
     (["eval", "RUN", "--limit", "-1"], "optquant eval: error: argument --limit: -1: Expected `int` >= 0"),
     (["ptq", "RUN", "--mc-items", "-1"], "optquant ptq: error: argument --mc-items: -1: Expected `int` >= 0"),
