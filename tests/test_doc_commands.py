@@ -6,7 +6,8 @@ explicit SUBS table; what cannot run here is in SKIP with its reason. A block co
 
 The cheap commands are fast tests: each runs through `optquant.cli.main` in the test's process (what the console
 script calls; a fresh interpreter would add ~3 s of imports per command) on a module fixture with a zepto run,
-together ~22 s of CPU (measured niced under load; an idle core gives about that wall time). SLOW ones (a study,
+together ~22 s of CPU (measured niced under load; an idle core gives about that wall time), plus 5.8 s for the
+paper dry run whose output docs/scale-out.md quotes. SLOW ones (a study,
 a default-sized `train`, the default study's refit) run through bash in a fresh directory, with -m slow.
 """
 
@@ -172,6 +173,90 @@ def test_a_broken_doc_command_fails_naming_file_and_line(tmp_path, monkeypatch, 
             run()
 
 
+# --- quoted output ------------------------------------------------------------------------------------------
+# A block of a command's output in the docs is either compared with what the command prints today, marked
+# `<!-- output: COMMAND -->` on the line before its fence (each of its lines must be a line of the output, in
+# order, blanks ignored and spaces collapsed; `...` marks left-out lines), or said to be measured (timings,
+# memory: numbers of one machine), marked `<!-- measured: WHY -->` before it, or once before a file's first `## `
+# heading for all of it. A table or block that a sentence introduces as printed ("prints", "as printed",
+# "`optquant ...`:") must carry one of the two.
+OUTPUT_DOCS = (*DOCS, "docs/benchmarks.md")
+OUTPUT = re.compile(r"<!-- output: (optquant [^>]+) -->")
+MEASURED = re.compile(r"<!-- measured: [^>]+ -->")
+PRINTED = re.compile(r"\bprint(s|ed)\b|`optquant [^`]+`[^`]*:$")
+
+
+@dataclass(frozen=True)
+class QuotedOutput:
+    file: str
+    line: int  # the marker's
+    command: str
+    lines: tuple[str, ...]  # the block's lines, spaces collapsed, blanks dropped
+
+
+def quoted_outputs(path: Path, name: str | None = None) -> list[QuotedOutput]:
+    name = name or str(path.relative_to(ROOT))
+    lines, out = path.read_text().splitlines(), []
+    for i, line in enumerate(lines):
+        if m := OUTPUT.fullmatch(line.strip()):
+            start = next((k for k in range(i + 1, len(lines)) if lines[k].strip()), len(lines))
+            assert start < len(lines) and lines[start].startswith("```"), f"{name}:{i + 1}: no fenced block follows"
+            end = next(k for k in range(start + 1, len(lines)) if lines[k].startswith("```"))
+            out.append(QuotedOutput(name, i + 1, m[1], tuple(" ".join(t.split()) for t in lines[start + 1:end]
+                                                             if t.strip())))
+    return out
+
+
+def unmarked_outputs(path: Path, name: str | None = None) -> list[str]:
+    """file:line of each table or fenced block introduced as printed output but marked neither way."""
+    name = name or str(path.relative_to(ROOT))
+    lines, found, fence, prev, table = path.read_text().splitlines(), [], False, "", False
+    head = next((i for i, t in enumerate(lines) if t.startswith("## ")), len(lines))
+    if any(MEASURED.fullmatch(t.strip()) for t in lines[:head]):
+        return []
+    for i, line in enumerate(lines):
+        starts = (line.startswith("```") and not fence) or (line.startswith("|") and not table and not fence)
+        if starts and PRINTED.search(prev) and not (OUTPUT.fullmatch(prev) or MEASURED.fullmatch(prev)):
+            found.append(f"{name}:{i + 1}")
+        fence ^= line.startswith("```")
+        table = line.startswith("|") and not fence
+        prev = line.strip() or prev
+    return found
+
+
+def compare_quoted(q: QuotedOutput, output: str) -> None:
+    printed = [" ".join(t.split()) for t in output.splitlines()]
+    at = 0
+    for want in q.lines:
+        if want == "...":
+            continue
+        if want not in printed[at:]:
+            raise DocCommandFailed(f"{q.file}:{q.line}: `{q.command}` no longer prints {want!r} (in this order)")
+        at = printed.index(want, at) + 1
+
+
+def test_every_printed_block_is_compared_or_measured():
+    assert [q.command for doc in OUTPUT_DOCS for q in quoted_outputs(ROOT / doc)], "no quoted output is compared"
+    assert not [u for doc in OUTPUT_DOCS for u in unmarked_outputs(ROOT / doc)]
+
+
+def test_a_drifted_quote_fails_naming_file_and_line(tmp_path, monkeypatch, capsys):
+    doc = tmp_path / "quoted.md"
+    doc.write_text("# A doc\n\n`optquant fit --help` prints:\n\n<!-- output: optquant fit --help -->\n```text\n"
+                   "usage: optquant fit [-h] [--interval {bootstrap,loo,none}] study_dir\n...\n"
+                   "  --interval {bootstrap,loo,none}\n```\n\nIt prints:\n\n| a | table |\n")
+    (q,) = quoted_outputs(doc, "docs/quoted.md")
+    out = run_in_process(DocCommand(q.file, q.line, q.command), tmp_path, monkeypatch, capsys)
+    compare_quoted(q, out)
+    assert unmarked_outputs(doc, "docs/quoted.md") == ["docs/quoted.md:14"]  # the table; the block is marked
+    drifted = QuotedOutput(q.file, q.line, q.command, (*q.lines, "  --no-such-flag"))
+    with pytest.raises(DocCommandFailed, match=r"^docs/quoted\.md:5: `optquant fit --help` no longer prints"):
+        compare_quoted(drifted, out)
+    reordered = QuotedOutput(q.file, q.line, q.command, q.lines[::-1])
+    with pytest.raises(DocCommandFailed, match="in this order"):
+        compare_quoted(reordered, out)
+
+
 # --- the fixtures the commands run on ------------------------------------------------------------------------
 
 
@@ -218,7 +303,8 @@ def workdir(tmp_path_factory, corpus):
     _mc_task(home, corpus, d / "my_tasks", "mytask")
     from test_hf import _with_tokenizer, save_tiny
 
-    _with_tokenizer(save_tiny("qwen2", home / "models" / "Qwen2.5-0.5B", vocab_size=320), corpus)
+    qwen = save_tiny("qwen2", home / "models" / "Qwen2.5-0.5B", vocab_size=320, max_position_embeddings=32768)
+    _with_tokenizer(qwen, corpus)  # its window as the real one's: the docs' --seq-len 256 fits
     return d, run
 
 
@@ -230,6 +316,13 @@ FAST = [c for c in all_commands() if c.text not in SKIP and c.text not in SLOW]
 def test_documented_command_runs(cmd, workdir, monkeypatch, capsys):
     d, run = workdir
     run_in_process(cmd, d, monkeypatch, capsys, {"run": run})
+
+
+@pytest.mark.parametrize("q", [q for doc in OUTPUT_DOCS for q in quoted_outputs(ROOT / doc)],
+                         ids=lambda q: f"{q.file}:{q.line}")
+def test_quoted_output_is_what_the_command_prints(q, workdir, monkeypatch, capsys):
+    d, run = workdir
+    compare_quoted(q, run_in_process(DocCommand(q.file, q.line, q.command), d, monkeypatch, capsys, {"run": run}))
 
 
 @pytest.mark.slow

@@ -32,10 +32,12 @@ FAMILIES = {
 }
 
 
-def save_tiny(family: str, path, seed: int = 0, vocab_size: int = V):
+def save_tiny(family: str, path, seed: int = 0, vocab_size: int = V, **config_values):
     torch.manual_seed(seed)
     config = FAMILIES[family]()
     config.vocab_size = vocab_size
+    for key, value in config_values.items():  # e.g. a real checkpoint's max_position_embeddings
+        setattr(config, key, value)
     model = transformers.AutoModelForCausalLM.from_config(config)
     if family == "qwen2":  # HF initialises biases to zero: make them matter
         with torch.no_grad():

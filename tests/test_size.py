@@ -67,7 +67,10 @@ from pathlib import Path
 # Issue 29's table of stages (+110 on its branch: plan.STEPS, each stage's kind, label and job count, read by the dry
 # run, the ETA and validate; the steps' shared State), with the robust arm and the bit plans in the table: 16,971
 # merged, budget 16,980.
-BUDGET = 16_980
+# Issue 30's numeric flags (+61 on its branch: ranges.flag, the argparse type that checks a flag by its field's range
+# type; --hf flags refused with a run, --seq-len against max_position_embeddings, a group size checked before the FP
+# pass): 17,032 merged, budget 17,040.
+BUDGET = 17_040
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

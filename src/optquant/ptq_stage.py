@@ -37,7 +37,7 @@ from optquant.metrics.chain import shared_copy
 from optquant.metrics.outliers import aggregate, outlier_metrics
 from optquant.metrics.propagation import PropagationConfig, propagation, propagation_of
 from optquant.model import lm_loss
-from optquant.quant.ptq import SCHEMES, PTQConfig, quantize_
+from optquant.quant.ptq import SCHEMES, PTQConfig, quantize_, quantized_layers
 from optquant.quant.rotate import rotate_model_
 from optquant.runs import PTQ_FILES, RunDir, Weights, check_corpus, read_config
 from optquant.train import build_model
@@ -119,6 +119,7 @@ class LoadedRun:
         if not self.owned:
             yield from zip(("fp", "q"), self.pair(qcfg, acfg), strict=True)
             return
+        quantized_layers(self.model, qcfg)  # a group size the model cannot take: refused before the FP pass
         if qcfg.rotation != "none":
             rotate_model_(self.model)
         yield "fp", self.model

@@ -7,6 +7,11 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Annotated
+
+from msgspec import Meta
+
+from optquant.ranges import Count, Natural, flag
 
 EPILOG = """examples:
   optquant data prepare ~/climbmix/*.parquet --out ~/climbmix-tok            # a 32k byte-level BPE on a 64 MB sample
@@ -34,18 +39,19 @@ def add_parsers(sub) -> None:
                    "holding one (default: train a byte-level BPE on a sample)")
     p.add_argument("--eot", default="", help="the end-of-document token of --tokenizer (default: its "
                    "tokenizer_config.json's eos_token, else <|endoftext|>, </s>, ...)")
-    p.add_argument("--vocab-size", type=int, default=32000, help="the trained BPE's vocabulary (default 32000, "
+    p.add_argument("--vocab-size", type=flag(Count), default=32000, help="the trained BPE's vocabulary (default 32000, "
                    "the gpu/paper presets')")
-    p.add_argument("--sample-bytes", type=int, default=64 << 20, help="text the BPE is trained on, an equal "
+    p.add_argument("--sample-bytes", type=flag(Count), default=64 << 20, help="text the BPE is trained on, an equal "
                    "share from every file (default 64 MiB; bounds the trainer's memory)")
     p.add_argument("--text-field", default="text", help="jsonl field / parquet column of the text (default text)")
-    p.add_argument("--val-fraction", type=float, default=0.05, help="share of documents held out (default 0.05)")
-    p.add_argument("--split-seed", type=int, default=0)
-    p.add_argument("--processes", type=int, default=_cores(), help="worker processes (per job; default: the "
+    p.add_argument("--val-fraction", type=flag(Annotated[float, Meta(gt=0, lt=1)]), default=0.05,
+                   help="share of documents held out (default 0.05)")
+    p.add_argument("--split-seed", type=flag(Natural), default=0)
+    p.add_argument("--processes", type=flag(Count), default=_cores(), help="worker processes (per job; default: the "
                    "cores this process may use)")
     p.add_argument("--executor", choices=["local", "slurm", "submitit-local"], default="local",
                    help="local processes, or Slurm through submitit (submitit-local: the same on this machine)")
-    p.add_argument("--jobs", type=int, default=1, help="cluster jobs the files are spread over (default 1)")
+    p.add_argument("--jobs", type=flag(Count), default=1, help="cluster jobs the files are spread over (default 1)")
     p.set_defaults(func=_prepare, freed_memory=None)  # loads no torch, nor do its workers
     p = verbs.add_parser("info", help="the manifest of a prepared directory, checked: tokens, documents, tokenizer")
     p.add_argument("dir", type=Path)
@@ -55,13 +61,6 @@ def add_parsers(sub) -> None:
 
 def _prepare(args: argparse.Namespace) -> int:
     from optquant.corpus.prepare import PrepareConfig, prepare
-    from optquant.errors import OptquantError
-
-    for name in ("vocab_size", "sample_bytes", "processes", "jobs"):
-        if getattr(args, name) < 1:
-            raise OptquantError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if not 0 < args.val_fraction < 1:
-        raise OptquantError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     cfg = PrepareConfig(text_field=args.text_field, val_fraction=args.val_fraction, split_seed=args.split_seed,
                         tokenizer=args.tokenizer, eot=args.eot, vocab_size=args.vocab_size,
                         sample_bytes=args.sample_bytes, processes=args.processes, executor=args.executor,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from optquant.cli.quant import HFModel
 from optquant.errors import OptquantError
+from optquant.ranges import Natural, flag
 
 
 def add_parsers(sub) -> None:
@@ -24,7 +25,8 @@ def _eval(args: argparse.Namespace) -> int:
     if args.tokenizer and args.hf is None:
         raise OptquantError("eval: --tokenizer goes with --hf (a run has its own tokenizer)")
     model, tok, eot, prefix = _load_model(args.run_dir, args.hf, args.weights, tokenizer=args.tokenizer)
-    result = lm_eval_tasks(model, tok, eot, tasks, include_path=args.include_path, limit=args.limit, prefix_id=prefix)
+    result = lm_eval_tasks(model, tok, eot, tasks, include_path=args.include_path, limit=args.limit or None,
+                           prefix_id=prefix)
     for task, r in result.items():
         print(f"{task:20s} acc={r['acc']:.4f}±{r['acc_stderr'] or 0:.4f}  "
               f"acc_norm={r['acc_norm']:.4f}±{r['acc_norm_stderr'] or 0:.4f}  (n={r['n']})")
@@ -67,7 +69,8 @@ def _add_eval_parser(sub) -> None:
     p.add_argument("--tasks", default="piqa,hellaswag,arc_easy", help="comma-separated lm-eval task names "
                    "(default: the paper's piqa,hellaswag,arc_easy)")
     p.add_argument("--include-path", type=Path, metavar="DIR", help="a folder of extra lm-eval task YAMLs")
-    p.add_argument("--limit", type=int, help="score only the first N items of each task")
+    p.add_argument("--limit", type=flag(Natural), default=0, help="score only the first N items of each task "
+                   "(default 0: every item, as a study's eval.limit)")
     p.add_argument("--weights", choices=["final", "cl"], default="final", help="a run's final or Common-Loss weights")
     p.add_argument("--out", type=Path, help="results JSON (default: RUN/lm_eval.json or hf-analysis/<name>/)")
     p.set_defaults(func=_eval, freed_memory="keep")

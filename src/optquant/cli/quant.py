@@ -6,9 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Annotated
+
+from msgspec import Meta
 
 from optquant.errors import OptquantError
 from optquant.quant.choices import FORMATS, GRIDS, METHODS, ROTATIONS
+from optquant.ranges import Natural, flag
 
 
 class HFModel(argparse.Action):
@@ -64,15 +68,17 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", choices=GRIDS,
                    help="integer grid: sym [-7,7], scale absmax/7 (default, the paper's); sym8 [-8,7] (llama.cpp "
                    "Q4_0); full [-8,7], scale absmax/7.5 (llm-compressor, torchao); odd (16 levels, no zero); asym")
-    p.add_argument("--group-size", type=int, dest="w_group_size", metavar="GROUP_SIZE",
-                   help="weight group size (0 = per output channel)")
+    p.add_argument("--group-size", type=flag(Natural), dest="w_group_size", metavar="GROUP_SIZE",
+                   help="weight group size (0 = per output channel); a group at least a layer's input width is one "
+                   "per row of it, one that does not divide a narrower width is refused (as llm-compressor's "
+                   "compressed-tensors; torchao would leave such a layer FP)")
     p.add_argument("--rotation", choices=ROTATIONS)
     p.add_argument("--act-order", action="store_true", default=None,
                    help="GPTQ: quantize columns by decreasing Hessian")
     p.add_argument("--quantize-head", action="store_true", default=None, help="also quantize the LM head")
     p.add_argument("--weights", choices=["final", "cl"], default="final",
                    help="final weights or the Common-Loss checkpoint")
-    p.add_argument("--mc-items", type=int, default=200, help="multiple-choice items (0 = skip)")
+    p.add_argument("--mc-items", type=flag(Natural), default=200, help="multiple-choice items (0 = skip)")
     if p.prog.split()[-1] == "ptq":
         p.add_argument("--plan", type=Path, help="a bit plan from optquant bits: each module at its planned bits "
                        "(the scheme is the plan's; --method/--w-bits/--a-bits/... are ignored)")
@@ -92,7 +98,8 @@ def _add_hf_flags(p: argparse.ArgumentParser) -> None:
                    "evaluation windows: a 1-D integer .npy, or text of whitespace-separated integers")
     g.add_argument("--calib-tokens", type=Path, metavar="FILE", help="with --tokens: GPTQ's calibration ids, same "
                    "formats (default: the --tokens file)")
-    g.add_argument("--seq-len", type=int, default=128, help="with --hf: tokens per window (default 128)")
+    g.add_argument("--seq-len", type=flag(Annotated[int, Meta(ge=2)]), help="with --hf: tokens per window, at most "
+                   "config.json's max_position_embeddings (default 128, or that if smaller)")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="with --hf: the weights' dtype (default: the checkpoint's own; float32 = the analysis in fp32)")
     g.add_argument("--out", type=Path, help="with --hf: output directory (default: hf-analysis/<folder name>)")
@@ -119,6 +126,30 @@ def _analysis_config(args: argparse.Namespace):
     return AnalysisConfig(weights=args.weights, mc_items=args.mc_items)
 
 
+HF_ONLY = {"data": "embedded", "tokenizer": None, "tokens": None, "calib_tokens": None, "seq_len": None,
+           "dtype": "auto", "out": None}  # the --hf flags, at their defaults
+
+
+def _run_only(args: argparse.Namespace, what: str) -> None:
+    """With a run directory, an --hf flag would be ignored: refused instead."""
+    given = [f"--{k.replace('_', '-')}" for k, default in HF_ONLY.items() if getattr(args, k) != default]
+    if given:
+        raise OptquantError(f"{what}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} for --hf only (a run "
+                            "has its own data, window and output directory)")
+
+
+def _seq_len(args: argparse.Namespace) -> int:
+    """--seq-len (default 128, or the model's max_position_embeddings if smaller), at most that maximum."""
+    from optquant.hf import check_hf_config
+
+    if args.seq_len is None or not (args.hf / "config.json").is_file():  # no folder: load_hf says so
+        return args.seq_len or 128
+    top = check_hf_config(args.hf).get("max_position_embeddings")
+    if top is not None and args.seq_len > top:
+        raise OptquantError(f"--seq-len {args.seq_len} exceeds {args.hf}'s max_position_embeddings ({top})")
+    return args.seq_len
+
+
 def _hf_quant(args: argparse.Namespace, what: str) -> int:
     """`ptq --hf PATH` / `analyze --hf PATH`: the same analyses on a local Hugging Face causal LM."""
     from optquant.data import DataConfig
@@ -136,7 +167,7 @@ def _hf_quant(args: argparse.Namespace, what: str) -> int:
     if args.calib_tokens and not args.tokens:
         raise OptquantError(f"{what} --hf: --calib-tokens goes with --tokens")
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
-    src = HFSource(args.hf, DataConfig(source=args.data), seq_len=args.seq_len, tokenizer=args.tokenizer,
+    src = HFSource(args.hf, DataConfig(source=args.data), seq_len=_seq_len(args), tokenizer=args.tokenizer,
                    tokens=args.tokens, calib_tokens=args.calib_tokens, dtype=args.dtype)
     out = args.out or default_out(args.hf)
     result = (hf_damage if what == "ptq" else hf_analysis)(src, qcfg, acfg, out)
@@ -156,6 +187,7 @@ def _quantized(args: argparse.Namespace) -> int:
     if args.run_dir is None:
         raise OptquantError(f"{what}: give a run directory (from optquant train) or --hf PATH")
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
+    _run_only(args, what)
     if not RunDir(args.run_dir).config.is_file():
         raise OptquantError(f"{args.run_dir}: not a run directory (no config.json; give a directory made by "
                             "optquant train)")
@@ -186,7 +218,7 @@ def _bits(args: argparse.Namespace) -> int:
 
         if args.run_dir is not None:
             raise OptquantError("bits: give a run directory or --hf PATH, not both")
-        src = HFSource(args.hf, DataConfig(source=args.data), seq_len=args.seq_len, tokenizer=args.tokenizer,
+        src = HFSource(args.hf, DataConfig(source=args.data), seq_len=_seq_len(args), tokenizer=args.tokenizer,
                        tokens=args.tokens, calib_tokens=args.calib_tokens, dtype=args.dtype)
         cfg, model, data = _setup(src, acfg, lazy=args.score == "abc" and qcfg.rotation == "none")
         run = LoadedRun.of(cfg, model, data, owned=True)
@@ -195,6 +227,7 @@ def _bits(args: argparse.Namespace) -> int:
     else:
         from optquant.runs import RunDir
 
+        _run_only(args, "bits")
         if not RunDir(args.run_dir).config.is_file():
             raise OptquantError(f"{args.run_dir}: not a run directory (no config.json)")
         run = LoadedRun(args.run_dir, acfg.weights)

@@ -173,8 +173,7 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
         from optquant.quant.rotate import rotate_model_  # only the rotated schemes need it
 
         rotate_model_(model)
-    layers = linear_layers(model, skip=() if cfg.quantize_head else ("lm_head",))
-    check_group_sizes(layers, cfg)
+    layers = quantized_layers(model, cfg)
     check_plan(cfg, [n for n, _ in layers])
     if cfg.method == "gptq" and any(cfg.for_module(n).w_bits < OFF for n, _ in layers):
         _gptq_(model, layers, cfg, calib)
@@ -183,6 +182,13 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
             replace_module(model, name, rtn_linear(lin, cfg.for_module(name)))
     log.info("quantized %d linear layers with %s", len(layers), cfg.name)
     return model
+
+
+def quantized_layers(model: nn.Module, cfg: PTQConfig) -> list[tuple[str, nn.Linear]]:
+    """The linear layers `cfg` quantizes (the LM head only with quantize_head), their group sizes checked."""
+    layers = linear_layers(model, skip=() if cfg.quantize_head else ("lm_head",))
+    check_group_sizes(layers, cfg)
+    return layers
 
 
 def rtn_linear(lin: nn.Module, cfg: PTQConfig) -> QuantLinear:
