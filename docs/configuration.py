@@ -6,7 +6,7 @@
 
 Every field a user can set is one table row: its dotted key (as `--set` takes it), type, default, allowed
 range or choices and the comment beside it in the source. Types and choices come from the annotations
-(`Literal[...]`), ranges from `optquant.config.field_range` (the rule `validate` applies), comments from the
+(`Literal[...]`), ranges from the `msgspec.Meta` in each field's annotation (the rule msgspec checks), comments from the
 class's source file (the `# ...` on the field's line, after any comment lines directly above it), so a new
 field, a changed default or a reworded comment reaches the page by rerunning this script;
 tests/test_docs.py fails until it is rerun. The prose (how to configure; models, optimizers, quantization)
@@ -284,11 +284,17 @@ def fmt_bound(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
-def fmt_range(rule: tuple[float, float, bool, bool] | None) -> str:
-    if rule is None:
+def fmt_range(hint) -> str:
+    """The interval of the `msgspec.Meta` in annotation `hint` (or in a member of its union); "" = none."""
+    import msgspec
+
+    metas = (m for a in (hint, *typing.get_args(hint)) for m in typing.get_args(a) if isinstance(m, msgspec.Meta))
+    meta = next(metas, None)
+    if meta is None or (meta.ge, meta.gt, meta.le, meta.lt) == (None,) * 4:
         return ""
-    lo, hi, lo_in, hi_in = rule
-    return f"{'[' if lo_in else '('}{fmt_bound(lo)}, {fmt_bound(hi)}{']' if hi_in else ')'}"
+    lo = f"[{fmt_bound(meta.ge)}" if meta.ge is not None else f"({fmt_bound(-math.inf if meta.gt is None else meta.gt)}"
+    hi = f"{fmt_bound(meta.le)}]" if meta.le is not None else f"{fmt_bound(math.inf if meta.lt is None else meta.lt)})"
+    return f"{lo}, {hi}"
 
 
 def cell(text: str) -> str:
@@ -309,15 +315,13 @@ def table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 COLUMNS = ("key", "type", "default", "range / choices", "meaning")
 
 
-def field_rows(cls: type, prefix: str, ranged: bool = True, choices: dict[str, str] | None = None,
+def field_rows(cls: type, prefix: str, choices: dict[str, str] | None = None,
                skip: tuple[str, ...] = (), keys: dict[str, str] | None = None) -> list[tuple[str, ...]]:
-    """One row per field of dataclass `cls`, its keys `prefix` + name. `ranged`: config.validate checks the class,
-    so config.field_range gives each field's range (False: a class it does not check); `choices` adds choices
-    that are not in the type (a registry's names); `keys` replaces a field's key (a dict-valued field's form);
-    `skip` leaves fields out."""
-    from optquant.config import field_range
-
+    """One row per field of dataclass `cls`, its keys `prefix` + name, its range from its annotation; `choices`
+    adds choices that are not in the type (a registry's names); `keys` replaces a field's key (a dict-valued
+    field's form); `skip` leaves fields out."""
     hints, comments = typing.get_type_hints(cls), field_comments(cls)
+    extras = typing.get_type_hints(cls, include_extras=True)
     rows = []
     for f in dataclasses.fields(cls):
         if f.name in skip:
@@ -333,8 +337,8 @@ def field_rows(cls: type, prefix: str, ranged: bool = True, choices: dict[str, s
         literal = next((a for a in (tp, *typing.get_args(tp)) if typing.get_origin(a) is Literal), None)
         if literal is not None:
             allowed = ", ".join(f"`{fmt_value(c)}`" for c in typing.get_args(literal))
-        if ranged and not allowed:
-            allowed = fmt_range(field_range(cls, prefix.rstrip("."), f.name))
+        if not allowed:
+            allowed = fmt_range(extras[f.name])
         key = (keys or {}).get(f.name, f"{prefix}{f.name}")
         while key != f"{prefix}{f.name}" and typing.get_origin(tp) is dict:  # `lrs.<optimizer>`: one entry's type
             tp = typing.get_args(tp)[1]
@@ -387,7 +391,7 @@ def run_sections() -> str:
                        "No QAT section by default (`qat=none`); setting any `qat.*` key creates it with these "
                        "defaults. " + class_doc(QATConfig), field_rows(QATConfig, "qat.")))
     out.append(section("`robust.*` (`RobustConfig`, quant/robust_config.py)", _pre(class_doc(RobustConfig)),
-                       field_rows(RobustConfig, "robust.")))
+                       field_rows(RobustConfig, "robust.")) + "\n" + ROBUST_ARM)
     out.append(section("`log.*` (`LogConfig`, tracking.py)", "Experiment tracking; not part of the run id.",
                        field_rows(LogConfig, "log.")))
     return "\n".join(out)
@@ -416,7 +420,7 @@ def study_sections() -> str:
                          + ", or `decay:FRACTION` (the plain run with train.decay_frac=FRACTION)"}
     keys = {"lrs": "lrs.<optimizer>", "sweeps": "sweeps.<optimizer>.<run key>", "run": "run",
             "per_optimizer": "per_optimizer"}
-    rows = field_rows(StudySpec, "", False, choices=choices, skip=("eval",), keys=keys)
+    rows = field_rows(StudySpec, "", choices=choices, skip=("eval",), keys=keys)
     notes = {"`lrs.<optimizer>`": "one optimizer's explicit LR grid, e.g. `lrs.muon=0.01,0.02,0.04`",
              "`sweeps.<optimizer>.<run key>`": "values of one run key, e.g. `sweeps.muon.optim.momentum=0.9,0.95`",
              "`run`": "each `--set run=key=value` appends one run override, e.g. `run=train.tokens_per_param=10`",
@@ -430,7 +434,7 @@ def study_sections() -> str:
     out = ["## Study settings (`optquant study --set`)\n", section("`StudySpec` (study/spec.py)", intro, rows)]
     out.append(section("`eval.*` (`HarnessConfig`, harness.py)",
                        class_doc(HarnessConfig) + " Needs `optquant[eval]` and the task data offline.",
-                       field_rows(HarnessConfig, "eval.", False)))
+                       field_rows(HarnessConfig, "eval.")))
     return "\n".join(out)
 
 
@@ -441,7 +445,24 @@ def plan_section() -> str:
     return section("Dry-run GPU assumptions (`plan.*`)",
                    "`GPUConfig` (cost.py): what `optquant train --dry-run` and `optquant study --dry-run` assume "
                    "for the GPU-hours and memory. " + class_doc(GPUConfig),
-                   field_rows(GPUConfig, "plan.", False, choices={"gpu": gpus}), level=2)
+                   field_rows(GPUConfig, "plan.", choices={"gpu": gpus}), level=2)
+
+
+ROBUST_ARM = """
+**The arm to run, and how many seeds.** `optquant study --preset cpu-robust` runs `RECOMMENDED_ARM`
+(`ema:0.95`, `ema:0.99`, `lawa:2`, `lawa:4`, `decay:0`, `decay:0.4`: each averaging at windows of ~20 and ~100
+steps, the LR decay off and doubled against the plain 0.2) at the default design's two largest sizes (`femto`,
+`pico`) with 14 seeds and no QAT. The number of seeds is the report's Seeds table (report/robust.py
+`seed_plan`) over the default study (`optquant study --preset cpu`, 3 seeds): the plain runs' W4A4 RTN damage
+at the Common Loss has a seed sd, pooled within size, of 0.0029 (SOAP, Shampoo) to 0.0117 (Scion), i.e. a CV of
+0.13 to 0.50. Taking the sd of a paired difference as √2 × that (no noise shared with the plain run; an upper
+bound, since the averaging and decay entries share its trajectory), `seeds_needed` for a 30 % cut, Holm over
+6 optimizers × 6 entries = 36 cells, power 0.8, gives 11 (SOAP), 12 (Shampoo), 20 (Muon), 28 (PSGD), 33 (AdamW)
+and 92 (Scion) (size, seed) units: 14 seeds per size resolve it for four of the six optimizers, Scion's would
+need 46. `optquant study --preset cpu-robust --dry-run` counts 1,008 robust runs and at most 7,672 jobs in all;
+at the default study's mean run times (12 s at `femto`, 62 s at `pico`, its costs.jsonl on the shared 2-core
+machine) the robust runs alone are ~10 worker-hours.
+"""
 
 
 # ----------------------------------------------------------------------------- presets

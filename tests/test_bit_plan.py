@@ -219,7 +219,7 @@ def nano_run(tmp_path_factory, corpus):
     cfg = apply_overrides(run_preset("nano"), [
         f"data.source={corpus}", "model.vocab_size=320", "model.seq_len=32", "train.batch_size=8", "train.steps=40",
         "train.eval_every=20", "train.eval_batches=2", "train.precision=fp32", "model.arch=llama",
-        "model.n_kv_head=1"])
+        "model.n_kv_head=1", "train.cl_threshold=100"])  # a CL model at the first evaluation, for the study's stage
     path = run_dir(tmp_path_factory.mktemp("bits-runs"), cfg)
     train(cfg, path)
     return path
@@ -289,26 +289,62 @@ def test_the_cli_writes_a_plan_that_ptq_applies(nano_run, tmp_path, capsys):
     one_line_error(capsys, "bits 6", "choices")
 
 
-def test_the_report_shows_the_plans_bits_wrote_into_the_study(nano_run, tmp_path):
-    """A plan written by `optquant bits` into STUDY/bits/ becomes the report's Bit plans section: a row per module
-    with the plan's bits, shares that sum to 1 and follow the gains, and a figure; no plans, no section."""
+def test_the_study_plans_each_cl_model_once_and_the_report_shows_them(nano_run, tmp_path, monkeypatch):
+    """The study's bits stage writes a CL model's +0.5-bit plan, the one `optquant bits --weights cl --avg-bits 4.5`
+    gives, to STUDY/bits/ with its size, optimizer and seed; a resumed study keeps it without a second walk; the
+    Bit plans section groups it by size (a figure) and optimizer (a row: the modules kept at 8 bits, whose shares
+    are the plan's), beside a plan `optquant bits` wrote there, which is its own group."""
+    import optquant.ptq_stage
     from optquant.report.bit_plans import bits_section
     from optquant.report.figures import Plot
-    from optquant.report.tables import Table
+    from optquant.study.plan import Study, bits_stage
+    from optquant.study.spec import study_preset
 
     assert bits_section(tmp_path, tmp_path / "figures") is None
-    (tmp_path / "bits").mkdir()
-    plan = tmp_path / "bits" / "nano.json"
-    assert main(["bits", str(nano_run), "--avg-bits", "4.5", "--plan-out", str(plan)]) == 0
-    record = json.loads(plan.read_text())
-    section = bits_section(tmp_path, tmp_path / "figures")
-    table, fig = section.blocks
-    assert isinstance(table, Table) and isinstance(fig, Plot) and (tmp_path / fig.src).is_file()
-    got = {r[0]: (int(r[1]), float(r[2])) for r in table.rows}
-    want = {f"{m.split('.')[-1]} {m.split('.')[1]}": v["bits"] for m, v in record["modules"].items()}
-    assert {k: b for k, (b, _) in got.items()} == want and sum(s for _, s in got.values()) == pytest.approx(1, abs=5e-3)
-    top = max(record["modules"], key=lambda m: record["modules"][m]["gains"]["8"])
-    assert max(got, key=lambda k: got[k][1]) == f"{top.split('.')[-1]} {top.split('.')[1]}"
+    study = Study(study_preset("smoke"), tmp_path)
+    bits_stage(study, {("adamw", "nano", 0): nano_run})
+    written = tmp_path / "bits" / f"{nano_run.name}.json"
+    record = json.loads(written.read_text())
+    cli = tmp_path / "cli.json"
+    assert main(["bits", str(nano_run), "--weights", "cl", "--avg-bits", "4.5", "--plan-out", str(cli)]) == 0
+    want = json.loads(cli.read_text())
+    assert record["modules"] == want["modules"] and record["ptq"] == want["ptq"] and record["score"] == "abc"
+    assert {k: record[k] for k in ("run", "size", "optimizer", "seed")} == {
+        "run": nano_run.name, "size": "nano", "optimizer": "adamw", "seed": 0}
+
+    def no_walk(*a, **k):
+        raise AssertionError("a finished plan was computed again")
+
+    monkeypatch.setattr(optquant.ptq_stage, "model_bits", no_walk)
+    before = written.read_bytes()
+    bits_stage(study, {("adamw", "nano", 0): nano_run})
+    assert written.read_bytes() == before
+    cli.rename(tmp_path / "bits" / "mine.json")
+    table, *figs = bits_section(tmp_path, tmp_path / "figures").blocks
+    assert [r[:3] for r in table.rows] == [("mine", "–", "1"), ("nano", "adamw", "1")]
+    assert len(figs) == 2 and all(isinstance(f, Plot) and (tmp_path / f.src).is_file() for f in figs)
+    top = str(max(record["choices"]))
+    gains = {m: max(v["gains"][top], 0) for m, v in record["modules"].items()}
+    high = [m for m, v in record["modules"].items() if v["bits"] == 8]
+    row = table.rows[1]
+    assert row[4] == ", ".join(f"{m.split('.')[-1]} {m.split('.')[1]}" for m in high)
+    assert float(row[5]) == pytest.approx(sum(gains[m] for m in high) / sum(gains.values()), abs=5e-3)
+
+
+def test_a_smoke_study_reports_its_plans_in_html_and_markdown(smoke_study):
+    """run_study's bits stage wrote one plan per CL model under the first PTQ scheme, and both reports show them."""
+    import pandas as pd
+
+    from optquant.report import report_markdown
+
+    df = pd.read_parquet(smoke_study / "results.parquet")
+    cl = set(df.loc[df["kind"] == "cl", "run_id"])
+    plans = {p.stem: json.loads(p.read_text()) for p in (smoke_study / "bits").glob("*.json")}
+    assert set(plans) == cl and {PTQConfig(**r["ptq"]).name for r in plans.values()} == {"w4a4-rtn"}
+    assert all(r["plan_avg_bits"] <= 4.5 for r in plans.values())
+    html = (smoke_study / "report" / "index.html").read_text()
+    assert '<section id="bits">' in html and "bits_" in html.split('<section id="bits">')[1]
+    assert "### Bit plans: the modules kept at the highest choice" in report_markdown(smoke_study)
 
 
 def test_the_exports_name_the_hf_modules():

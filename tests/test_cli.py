@@ -32,9 +32,9 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, args, message):
 
 @pytest.mark.parametrize("toml, sets, message", [
     ('[optim]\nname = ["muon"]\n', [], "optim.name=['muon']: expected str, got list"),
-    ('[qat]\nw_bits = "4"\n', [], "qat.w_bits='4': expected int, got str"),
-    ("", ["--set", "qat.w_bits=four"], "--set qat.w_bits=four: expected a number (int)"),
-    ("", ["--set", "optim.lr=-1"], "optim.lr=-1.0: must be in (0, inf)"),
+    ('[qat]\nw_bits = "4"\n', [], "qat.w_bits='4': Expected `int`, got `str`"),
+    ("", ["--set", "qat.w_bits=four"], "--set qat.w_bits=four: Expected `int`, got `str`"),
+    ("", ["--set", "optim.lr=-1"], "optim.lr=-1.0: Expected `float` > 0.0"),
 ])
 def test_typed_config_errors_are_one_line(tmp_path, capsys, toml, sets, message):
     """TOML's types and --set's strings are both checked by the field's type and range, before any run."""

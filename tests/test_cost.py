@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -156,6 +158,10 @@ def test_stage_counts_follow_the_spec():
     fp_runs = pairs * (spec.lr_points + spec.lr_extensions + spec.lr_refine + seeds - 1) + again
     assert by_name["ptq + analysis"] == pairs * seeds * len(spec.ptq_schemes) + fp_runs * len(spec.sweep_ptq_schemes)
     assert by_name["qat"] == pairs * seeds * len(spec.qat_bits)
+    assert "robust arm" not in by_name and "robust ptq" not in by_name  # no robust entries, no stage
+    robust = {s.name.split(" (")[0]: s for s in stages(replace(spec, robust=("ema:0.9", "decay:0")))}
+    assert robust["robust arm"].jobs == pairs * seeds * 2 and set(robust["robust arm"].train_runs.values()) == {6}
+    assert robust["robust ptq"].jobs == pairs * seeds * 2 * (len(spec.ptq_schemes) + 1) + pairs * seeds
 
 
 def test_cli_dry_runs(capsys):

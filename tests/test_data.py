@@ -77,8 +77,10 @@ def test_empty_val_split_raises():
 
 
 def test_val_fraction_validated():
-    with pytest.raises(OptquantError, match="val_fraction"):
-        DataConfig(val_fraction=0.0)
+    from optquant.config import RunConfig, validate
+
+    with pytest.raises(OptquantError, match=r"data.val_fraction=0.0: Expected `float` > 0.0"):
+        validate(RunConfig(data=DataConfig(val_fraction=0.0)))
 
 
 # ---------------------------------------------------------------- loaders

@@ -3,6 +3,11 @@
 fixtures built from what the code really writes. Placeholders (`runs/<run>`, `[--markdown]`) go through the
 explicit SUBS table; what cannot run here is in SKIP with its reason. A block command in neither table fails
 `test_every_documented_command_is_run_or_skipped`, so the docs cannot drift from the tests.
+
+The cheap commands are fast tests: each runs through `optquant.cli.main` in the test's process (what the console
+script calls; a fresh interpreter would add ~3 s of imports per command) on a module fixture with a zepto run,
+together ~22 s of CPU (measured niced under load; an idle core gives about that wall time). SLOW ones (a study,
+a default-sized `train`, the default study's refit) run through bash in a fresh directory, with -m slow.
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ SUBS = {
     "runs/tiny-adamw-<hash>": "runs/{tiny_run}",
     "[--markdown]": "--markdown",
 }
-# Commands that train a real preset (a study at smoke scale, a default `train`): slow-marked.
+# Commands that train a real preset (a study at smoke scale, a default `train`) or refit the default study
+# (bootstrap intervals: 64 s of CPU, three times the fast commands together): slow-marked.
 SLOW = {
+    "optquant fit studies/cpu",
     "optquant train --preset nano --set optim.name=muon --set optim.lr=0.02",
     "optquant study --preset smoke --set optimizers=adamw,examples/lion.py:make_optimizer",
     "optquant train --set model.arch=llama --out runs",
@@ -81,19 +88,53 @@ class DocCommandFailed(AssertionError):
     pass
 
 
-def run_doc_command(cmd: DocCommand, cwd: Path, values: dict | None = None, timeout: float = 3600) -> str:
-    """Run one documented command through bash in `cwd` (HOME = cwd/home), placeholders replaced; a non-zero
-    exit raises naming the file and line of the doc."""
+def _substituted(cmd: DocCommand, values: dict | None) -> str:
     text = cmd.text
     for placeholder, sub in SUBS.items():
         if placeholder in text:
             text = text.replace(placeholder, sub.format(**(values or {})))
+    return text
+
+
+def _failed(cmd: DocCommand, code: int, out: str, err: str) -> DocCommandFailed:
+    last = (err.strip() or out.strip()).splitlines()[-1:] or [""]
+    return DocCommandFailed(f"{cmd.file}:{cmd.line}: `{cmd.text}` exited {code}: {last[0]}")
+
+
+def run_doc_command(cmd: DocCommand, cwd: Path, values: dict | None = None, timeout: float = 3600) -> str:
+    """Run one documented command through bash in `cwd` (HOME = cwd/home), placeholders replaced; a non-zero
+    exit raises naming the file and line of the doc."""
     env = {**os.environ, "HOME": str(cwd / "home")}
-    r = subprocess.run(["bash", "-c", text], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(["bash", "-c", _substituted(cmd, values)], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=timeout)
     if r.returncode != 0:
-        last = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or [""]
-        raise DocCommandFailed(f"{cmd.file}:{cmd.line}: `{cmd.text}` exited {r.returncode}: {last[0]}")
+        raise _failed(cmd, r.returncode, r.stdout, r.stderr)
     return r.stdout
+
+
+SHELL_SYNTAX = re.compile(r"[|&;<>()$`\\*?!{}\[\]\"']")
+
+
+def run_in_process(cmd: DocCommand, cwd: Path, monkeypatch, capsys, values: dict | None = None) -> str:
+    """A plain `optquant ...` command (words only, no shell syntax) run as the console script runs it,
+    `optquant.cli.main(argv)`, in this process: the same parse and code, without a fresh interpreter's ~3 s of
+    imports per command. In `cwd` with HOME = cwd/home; a word starting with `~` is expanded as bash does."""
+    from optquant.cli import main
+
+    text = _substituted(cmd, values)
+    assert text.startswith("optquant ") and not SHELL_SYNTAX.search(text), f"not a plain command: {text}"
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HOME", str(cwd / "home"))
+    argv = [os.path.expanduser(w) for w in shlex.split(text)[1:]]  # expanduser touches a leading ~ only
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse: a usage error (2) or --help (0)
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    if code != 0:
+        raise _failed(cmd, code, out, err)
+    return out
 
 
 def test_every_documented_command_is_run_or_skipped():
@@ -107,13 +148,28 @@ def test_every_documented_command_is_run_or_skipped():
     assert not placeholders, f"a placeholder without a substitution in SUBS: {placeholders}"
 
 
-def test_a_broken_doc_command_fails_naming_file_and_line(tmp_path):
+def test_no_command_hides_in_an_untagged_block():
+    """A fence without a language is not extracted: one holding a command (`$ ...`, `optquant ...`) would escape
+    the tests above, so it must be tagged bash. Today's untagged blocks (docs/configuration.md's robust methods)
+    are text."""
+    command = re.compile(r"^(\$ |optquant |python |pip )")
+    for path in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        lang = None
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                lang = line[3:].strip() if lang is None else None
+            elif lang == "" and command.match(line.strip()):
+                raise AssertionError(f"{path.relative_to(ROOT)}:{i}: a command in an untagged block: tag it bash")
+
+
+def test_a_broken_doc_command_fails_naming_file_and_line(tmp_path, monkeypatch, capsys):
     doc = tmp_path / "broken.md"
     doc.write_text("# A doc\n\ntext\n\n```bash\noptquant train --no-such-flag   # a typo\n```\n")
     (cmd,) = extract(doc, "docs/broken.md")
     assert cmd == DocCommand("docs/broken.md", 6, "optquant train --no-such-flag")
-    with pytest.raises(DocCommandFailed, match=r"^docs/broken\.md:6: `optquant train --no-such-flag` exited 2"):
-        run_doc_command(cmd, tmp_path)
+    for run in (lambda: run_doc_command(cmd, tmp_path), lambda: run_in_process(cmd, tmp_path, monkeypatch, capsys)):
+        with pytest.raises(DocCommandFailed, match=r"^docs/broken\.md:6: `optquant train --no-such-flag` exited 2"):
+            run()
 
 
 # --- the fixtures the commands run on ------------------------------------------------------------------------
@@ -149,11 +205,15 @@ def workdir(tmp_path_factory, corpus):
     for k in range(2):
         pq.write_table(pa.table({"text": docs[k::2]}), home / "ClimbMix10m" / f"part{k}.parquet")
     shutil.copytree(ROOT / "docs" / "results", d / "studies" / "cpu")
-    train = ["optquant", "train", "--preset", "nano", "--out", str(d / "runs")] + [
+    from optquant.cli import main
+
+    train = ["train", "--preset", "zepto", "--out", str(d / "runs")] + [
         a for s in (f"data.source={corpus}", "model.vocab_size=320", "model.seq_len=32", "train.batch_size=8",
                     "train.steps=20", "train.eval_every=10", "train.eval_batches=2", "train.precision=fp32",
                     "model.arch=llama") for a in ("--set", s)]
-    subprocess.run(train, check=True, capture_output=True, cwd=d)
+    with pytest.MonkeyPatch.context() as mp:  # as conftest's _isolated_cache, which runs after this fixture
+        mp.setenv("OPTQUANT_CACHE", str(tmp_path_factory.getbasetemp() / "optquant-cache"))
+        assert main(train) == 0  # in this process, as run_in_process runs the commands
     (run,) = [p.name for p in (d / "runs").iterdir()]
     _mc_task(home, corpus, d / "my_tasks", "mytask")
     from test_hf import _with_tokenizer, save_tiny
@@ -165,14 +225,11 @@ def workdir(tmp_path_factory, corpus):
 FAST = [c for c in all_commands() if c.text not in SKIP and c.text not in SLOW]
 
 
-# Slow-marked too: the 13 commands and their fixtures (a trained run, a prepared corpus, a tiny HF model) took
-# 7.5 min on the loaded 2-core machine, more than CI's fast set can carry; the drift guard and the broken-doc
-# test above stay fast, so a new or changed command still fails the default run until it is listed.
-@pytest.mark.slow
+# Fast: each runs in this process (run_in_process), on the module's fixtures.
 @pytest.mark.parametrize("cmd", FAST, ids=lambda c: f"{c.file}:{c.line}:{c.text.split()[1]}")
-def test_documented_command_runs(cmd, workdir):
+def test_documented_command_runs(cmd, workdir, monkeypatch, capsys):
     d, run = workdir
-    run_doc_command(cmd, d, {"run": run})
+    run_in_process(cmd, d, monkeypatch, capsys, {"run": run})
 
 
 @pytest.mark.slow
@@ -181,9 +238,34 @@ def test_documented_command_runs(cmd, workdir):
 def test_documented_slow_command_runs(cmd, tmp_path, corpus):
     """Each in a fresh directory with examples/ beside it; `a && b` runs its commands in order there."""
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    shutil.copytree(ROOT / "docs" / "results", tmp_path / "studies" / "cpu")  # the default study's output
     (tmp_path / "home").mkdir()
     _mc_task(tmp_path / "home", corpus, tmp_path / "my_tasks", "my_mc")
     siblings = [c for c in all_commands() if c.file == cmd.file and c.line == cmd.line]
     for c in siblings[: siblings.index(cmd) + 1]:
         runs = list((tmp_path / "runs").glob("tiny-adamw-*")) if (tmp_path / "runs").is_dir() else []
         run_doc_command(c, tmp_path, {"run": "", "tiny_run": runs[0].name if runs else "<none>"})
+    if "examples/lion.py:make_optimizer" in cmd.text:
+        _names_the_plugin(tmp_path / "studies" / "smoke", "examples/lion.py:make_optimizer", "lion.py:make_optimizer")
+
+
+def _names_the_plugin(study: Path, name: str, short: str):
+    """docs/your-own.md's plugin study (issue 30's Done-when): best.json keeps the plugin's name as typed, and
+    the report names it by its short label in the Tuning table, Table 2 and the claims table (measured on its
+    output: rows `| lion.py:make_optimizer | embeddings |`, `| femto (17.5k) | lion.py:make_optimizer |` and
+    claims' evidence `AdamW 1=, lion.py:make_optimizer 1=`), as in the HTML page; no path in a size's place."""
+    import json
+
+    from optquant.report import report_markdown
+
+    best = json.loads((study / "best.json").read_text())
+    assert {(b["optimizer"], b["size"]) for b in best} == {(o, s) for o in ("adamw", name) for s in ("femto", "nano")}
+    tables = {t.split("\n", 1)[0]: t for t in report_markdown(study).split("\n### ")[1:]}
+    table = {title: next(t for k, t in tables.items() if k.startswith(title))
+             for title in ("Tuning", "Table 2", "LR searches left unbracketed", "Paper claims")}
+    assert re.search(rf"^\| {re.escape(short)} \| embeddings \|", table["Tuning"], re.M), table["Tuning"]
+    assert re.search(rf"^\| femto [^|]*\| {re.escape(short)} \|", table["Table 2"], re.M), table["Table 2"]
+    assert f"{short} 1=" in table["Paper claims"] or f"{short} 1.00" in table["Paper claims"], table["Paper claims"]
+    assert all(name not in t for t in table.values())  # the path is shortened everywhere
+    assert not re.search(r"^\| [^|]*/", table["LR searches left unbracketed"], re.M)  # a size, not a path
+    assert short in (study / "report" / "index.html").read_text()

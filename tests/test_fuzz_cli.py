@@ -178,6 +178,7 @@ def _toml_case(tmp_path, capsys, content: bytes):
 @example(content=b'preset = [1]\n')
 @example(content='[optim]\nname = "adamw" # caf\xe9\n'.encode("latin-1"))
 @example(content=b'[train]\nsteps = inf\n')
+@example(content=b'"data" = 0\n')  # found by this test: a section set to a number, then --set data.source
 def test_fuzz_toml(tmp_path, capsys, content):
     _toml_case(tmp_path, capsys, content)
 

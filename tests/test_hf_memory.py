@@ -50,3 +50,29 @@ def test_analyze_and_ptq_peak_within_one_and_a_half_times_the_weights(tmp_path, 
         added = _peak_mb([*hf[:2], *command, *hf[2:]], env) - base
         # the logits of one 8 × 128 batch alone would be 8·128·96000·4 B = 375 MB, above the weights
         assert added <= 1.5 * weights_mb + BUFFER_MB, (command, added, weights_mb)
+
+
+@pytest.mark.slow
+def test_analyze_peak_grows_by_one_layer_not_the_model(tmp_path):
+    """`analyze --hf` reads one sublayer at a time: the peak of 2, 4 and 8 layers of one bf16 shape differs by
+    at most one layer's weights and the allocator's noise, while 2 → 8 adds six layers (83 MB at this shape) to
+    the checkpoint. A walk that held the model, or kept each layer's freed activations, fails it."""
+    import torch
+    import transformers
+
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    np.save(tmp_path / "t.npy", np.random.default_rng(0).integers(0, 8_000, 8 * 8 * 129))
+    peaks, layer_mb = {}, None
+    for layers in (2, 4, 8):
+        torch.manual_seed(0)
+        config = transformers.Qwen2Config(vocab_size=8_000, hidden_size=512, intermediate_size=4096,
+                                          num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                                          tie_word_embeddings=True)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+        layer_mb = sum(p.numel() * 2 for p in model.model.layers[0].parameters()) / 2**20
+        model.save_pretrained(tmp_path / f"m{layers}")
+        peaks[layers] = _peak_mb(["-m", "optquant.cli", "analyze", "--hf", str(tmp_path / f"m{layers}"), "--tokens",
+                                  str(tmp_path / "t.npy"), "--out", str(tmp_path / "out")], env)
+    assert 6 * layer_mb > 80  # the six layers the bound must not let through
+    for layers in (4, 8):
+        assert peaks[layers] - peaks[2] <= layer_mb + 24, (peaks, layer_mb)  # 24 MB: RSS noise between processes

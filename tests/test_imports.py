@@ -23,7 +23,7 @@ import optquant
 SRC = Path(optquant.__file__).parent
 LAYERS = [
     {"", "errors"},  # "" = the optquant package itself
-    {"device", "files", "tracking", "compiled"},
+    {"device", "files", "tracking", "compiled", "ranges"},
     {"model", "data", "corpus", "checkpoint", "distributed", "evaluate", "scaling", "stats"},
     {"optim", "quant"},
     {"config", "runs"},

@@ -3,9 +3,7 @@ file.py:attr, entry point), the contract checks, and a smoke study run with the 
 
 import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -20,7 +18,6 @@ from optquant.errors import OptquantError
 from optquant.model import LM, lm_loss, model_config
 from optquant.optim import PluginConfig, build_optimizers
 from optquant.optim.plugin import load_factory
-from optquant.report import report_markdown
 from optquant.report.load import load_study
 from optquant.report.paper import label
 from optquant.report.protocol import lr_status_table, tuning_table
@@ -173,26 +170,3 @@ def test_an_old_best_json_with_a_plugin_path_feeds_the_report(tmp_path):
     (tmp_path / "results" / "best.json").write_text(json.dumps([{"size": "atto", "best_lr": 1e-3}]))
     with pytest.raises(OptquantError, match="entry 0: no optimizer and size"):
         load_study(tmp_path / "results")
-
-
-@pytest.mark.slow
-def test_the_docs_plugin_study_runs_through_the_cli(tmp_path):
-    """docs/your-own.md's command as a user types it, from the repository root; about 5 min niced on 2 cores."""
-    docs = (ROOT / "docs" / "your-own.md").read_text()
-    command = "optquant study --preset smoke --set optimizers=adamw,examples/lion.py:make_optimizer"
-    assert f"\n{command}\n" in docs
-    out = tmp_path / "study"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run(["nice", "-n", "19", shutil.which("optquant"), *command.split()[1:], "--out", str(out),
-                           "--quiet"], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    best = json.loads((out / "best.json").read_text())
-    assert {(b["optimizer"], b["size"]) for b in best} == {(o, s) for o in ("adamw", "examples/lion.py:make_optimizer")
-                                                           for s in ("femto", "nano")}
-    d, short = load_study(out), "lion.py:make_optimizer"
-    assert short in {r[0] for r in tuning_table(d).rows} and short in {r[1] for r in table2(d).rows}
-    assert all(r[0] in map(d.size_label, d.sizes) for r in lr_status_table(d).rows)
-    tables = {t.split("\n", 1)[0]: t for t in report_markdown(out).split("\n### ")[1:]}
-    for title in ("Tuning", "Table 2", "Paper claims"):
-        text = next(t for k, t in tables.items() if k.startswith(title))
-        assert f"| {short} |" in text or f"{short}:" in text or f"{short} " in text, (title, text)

@@ -219,8 +219,12 @@ def test_prepare_keeps_weight_tying_and_optimizer_groups():
     ],
 )
 def test_config_rejects_bad_values(kw):
-    with pytest.raises(OptquantError):
-        QATConfig(**kw)
+    """Types and ranges are checked as a run's config is built (config.validate); the bits, which depend on the
+    method, and the block, a power of two, by QATConfig itself."""
+    from optquant.config import RunConfig, validate
+
+    with pytest.raises(OptquantError, match="qat"):
+        validate(RunConfig(qat=QATConfig(**kw)))
 
 
 @pytest.mark.parametrize(

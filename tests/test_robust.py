@@ -423,3 +423,65 @@ def test_damage_at_the_end_of_the_stable_phase_is_a_run_stopped_there(nano_cfg, 
     assert damage[0] == damage[1] and damage[0] != 0
     with pytest.raises(OptquantError, match="decay:FRACTION"):
         entry_overrides("decay")
+
+
+def test_seed_plan_is_the_pooled_seed_spread_of_the_plain_runs_at_the_two_largest_sizes():
+    """On the default study's record (docs/results/results.parquet, what the study really wrote)."""
+    from pathlib import Path
+
+    from optquant.report.robust import seed_plan, seed_table, seeds_needed
+
+    results = pd.read_parquet(Path(__file__).parents[1] / "docs" / "results" / "results.parquet")
+    plan = {c["opt"]: c for c in seed_plan(results, "w4a4-rtn", cells=36)}
+    d = results[(results["kind"] == "cl") & (results["scheme"] == "w4a4-rtn") & (results["metric"] == "delta_val_loss")]
+    two = sorted(d["size"].unique(), key=lambda s: d.loc[d["size"] == s, "n_params"].max())[-2:]
+    assert set(plan) == set(d["optimizer"])
+    for opt, c in plan.items():
+        per = [d[(d["optimizer"] == opt) & (d["size"] == s)]["value"].to_numpy() for s in two]
+        ss = sum(((v - v.mean()) ** 2).sum() for v in per)
+        sd = math.sqrt(ss / sum(len(v) - 1 for v in per))
+        mean = float(pd.concat([pd.Series(v) for v in per]).mean())
+        assert c["sd"] == pytest.approx(sd) and c["mean"] == pytest.approx(mean)
+        assert c["needed"] == seeds_needed(math.sqrt(2) * sd, mean, 36) and c["units"] == sum(map(len, per))
+    table = seed_table(results, "w4a4-rtn", ("ema:0.9", "decay:0"))  # 6 optimizers × 2 entries = 12 cells
+    row = dict(zip(table.columns, table.rows[0], strict=True))
+    first = seed_plan(results, "w4a4-rtn", cells=12)[0]
+    assert row["n for −30 %"] == str(first["needed"]) and row["seeds per size"] == str(-(-first["needed"] // 2))
+
+
+ROBUST_SMOKE = "robust-smoke.parquet"  # robust.parquet of `optquant study --preset smoke --set robust=...` (README)
+
+
+def test_decay_table_pairs_each_decay_length_with_the_end_of_the_stable_phase(tmp_path):
+    """On a real arm's output (tests/data/robust-smoke.parquet: the smoke study with
+    robust=ema:0.9,lawa:2,decay:0,decay:0.5): each decay length's final-model damage, paired with decay:0."""
+    from pathlib import Path
+
+    from optquant.report.paper import label
+    from optquant.report.robust import decay_table, plain_decay, robust_section
+
+    df = pd.read_parquet(Path(__file__).parent / "data" / ROBUST_SMOKE)
+    table = decay_table(df, "w4a4-rtn", {})
+    opts = sorted(df["optimizer"].unique())
+    assert [r[1] for r in table.rows] == ["0 (stable end)", "0.2 (plain)", "0.5"] * len(opts)
+    fin = df[(df["weights"] == "final") & (df["metric"] == "delta_val_loss")]
+    wide = fin.pivot_table(index=["optimizer", "size", "seed"], columns="arm", values="value")
+    for row in table.rows:
+        arm = {"0 (stable end)": "decay:0", "0.2 (plain)": "none", "0.5": "decay:0.5"}[row[1]]
+        got = wide.loc[[o for o in opts if row[0] == label(o)][0]]
+        assert row[2] == str(got[arm].notna().sum()) and row[3].startswith(f"{got[arm].mean():+.4f} [")
+        if arm == "decay:0":
+            assert row[4:] == ("ref.", "–", "–", "–", "–")
+        else:
+            d = (got[arm] - got["decay:0"]).dropna()
+            base = got["decay:0"].mean()  # a % change only of a positive reference damage
+            assert row[4].startswith(f"{d.mean():+.4f} [")
+            assert row[5] == (f"{100 * d.mean() / base:+.1f} %" if base > 0 else "–")
+    assert f"Holm over the {2 * len(opts)} paired rows" in table.caption
+    spec = {"run": ["train.decay_frac=0.7"], "per_optimizer": {opts[0]: ["train.decay_frac=0.6"]}}
+    assert plain_decay(spec, opts[0]) == 0.6 and plain_decay(spec, opts[1]) == 0.7 and plain_decay({}, "x") == 0.2
+    assert [r[1] for r in decay_table(df, "w4a4-rtn", spec).rows[:3]] == ["0 (stable end)", "0.5", "0.6 (plain)"]
+    assert decay_table(df[~df["arm"].str.startswith("decay")], "w4a4-rtn", {}) is None  # no decay entries
+    df.to_parquet(tmp_path / "robust.parquet")
+    keys = [b.key for b in robust_section(tmp_path, tmp_path / "fig").blocks]
+    assert keys == ["robust", "robust-decay", "robust-schemes", "robust-ranking", "robust-pareto"]

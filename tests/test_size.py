@@ -54,8 +54,15 @@ from pathlib import Path
 # needs per cell (+22, report/robust.seeds_needed, the normal
 # power calculation from the measured spread): +267 in all. Issue 29's TOML types (+26: TOML values reach override
 # typed, ints widened to floats so that run ids hold, the leaf type checked before a class's __post_init__), until the
-# configuration library replaces the type system: budget 16,680.
-BUDGET = 16_680
+# configuration library replaces the type system: budget 16,680. Issue 29's configuration on msgspec removed 141
+# (16,518): types and ranges checked by msgspec from the annotations (ranges.py), no hand-written type checks, range
+# table, widening or shape config: budget 16,539.
+# Then, merged together: issue 30's hostile files (+27: files.regular_file refuses a FIFO, device or
+# over-64 MB file in one line), issue 33's bf16 rule (+35: fp32 compute one sublayer at a time without native bf16,
+# --hf runs return freed memory), issue 31's study stage (+50: bits_stage, the Bit plans section by size and optimizer)
+# and issue 32 round two (+115: stable-vs-decayed and Seeds tables, the cpu-robust preset, the dry run's robust stages):
+# 16,749 merged: budget 16,770.
+BUDGET = 16_770
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

@@ -1,78 +1,85 @@
 """RunConfig: one training run, composed of frozen per-component configs; presets, TOML and dotted overrides.
 
-Overrides are dotted paths checked against field types (`optim.lr=3e-3`, `model.n_layer=4`).
-`optim.name=muon` swaps the optimizer config for that optimizer's defaults (applied before the other
-`optim.*` overrides); `qat.method=quest` creates a QAT section; `qat=none` removes it; `robust.method=penalty`
-(quant/robust_config.py) switches on a quantization-robust training method. A TOML file is the
-same thing written as tables (`[optim] name = "muon"`), plus an optional top-level `preset`, its values
-checked as TOML typed them. No YAML, no exec: every --set string is parsed by the type of the field it sets.
+Overrides are dotted paths (`optim.lr=3e-3`, `model.n_layer=4`). `optim.name=muon` swaps the optimizer config
+for that optimizer's defaults (applied before the other `optim.*` overrides); `qat.method=quest` creates a QAT
+section; `qat=none` removes it; `robust.method=penalty` (quant/robust_config.py) switches on a
+quantization-robust training method. A TOML file is the same thing written as tables (`[optim] name = "muon"`),
+plus an optional top-level `preset`. Every config is checked by msgspec, as a dict of typed values, against the
+dataclasses' annotations: types as TOML and JSON give them (no string is read as a number), and each field's
+range where the field is declared (optquant.ranges); a --set string is first parsed by its field's type.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import math
-import re
 import tomllib
-import types
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
 
 from optquant.data import DataConfig
 from optquant.errors import OptquantError
 from optquant.files import read_text
 from optquant.model import MODEL_PRESETS, ModelConfig, model_config
 from optquant.optim import OPTIMIZERS, AdamWConfig, optimizer_config, optimizer_config_class
-from optquant.optim.plugin import PluginConfig, safe_name
-from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, UNIT, Range
+from optquant.optim.plugin import safe_name
 from optquant.quant.qat_config import QATConfig
 from optquant.quant.robust_config import RobustConfig
+from optquant.ranges import Count, Natural, NonNegative, Positive, Seed, Unit
 from optquant.tracking import LogConfig
+
+MAX_NAME = 128  # a run directory's name adds the optimizer and a hash; file names stop at 255 bytes
+NAME = r"[A-Za-z0-9][A-Za-z0-9._+-]*"  # letters, digits and . _ + -, not starting with a mark: it names a directory
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """The training loop's own settings (paper.md §2.3 for the defaults)."""
 
-    batch_size: int = 16  # sequences per optimizer step (global), split into grad_accum micro-batches
-    grad_accum: int = 1
-    tokens_per_param: float = 20.0  # the paper's Chinchilla ratio; used when steps == 0
+    batch_size: Count = 16  # sequences per optimizer step (global), split into grad_accum micro-batches
+    grad_accum: Count = 1
+    tokens_per_param: NonNegative = 20.0  # the paper's Chinchilla ratio; used when steps == 0
     budget_params: Literal["total", "non_embedding"] = "total"  # which N the ratio multiplies
-    steps: int = 0  # explicit optimizer steps; 0 = from tokens_per_param
+    steps: Natural = 0  # explicit optimizer steps; 0 = from tokens_per_param
     schedule: Literal["wsd", "cosine"] = "wsd"  # WSD: linear warm-up, constant, linear decay to 0
-    warmup_frac: float = 0.05
-    decay_frac: float = 0.20
-    eval_every: int = 100  # steps between evaluations; a checkpoint is written at each evaluation
-    eval_batches: int = 8
+    warmup_frac: Unit = 0.05
+    decay_frac: Unit = 0.20
+    eval_every: Count = 100  # steps between evaluations; a checkpoint is written at each evaluation
+    eval_batches: Count = 8
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 autocast where it is fast
-    cl_threshold: float | None = None  # Common Loss: keep the model that first reaches this val loss
+    cl_threshold: Positive | None = None  # Common Loss: keep the model that first reaches this val loss
     stop_at_cl: bool = False  # end the run at that first crossing (a study's CL re-run needs no more)
     compile: Literal["auto", "on", "off"] = "auto"  # torch.compile; auto = on for CUDA (not in the run id)
-    cl_eval_every: int = 0  # while the CL is not reached: also evaluate every this many steps (0 = off)
-    cl_eval_from: int = 0  # ... from this step on (the last regular evaluation before the crossing)
+    cl_eval_every: Natural = 0  # while the CL is not reached: also evaluate every this many steps (0 = off)
+    cl_eval_from: Natural = 0  # ... from this step on (the last regular evaluation before the crossing)
     keep_history: bool = False  # keep the checkpoint of every evaluation in history/ (a study's LR sweep)
     # Diverged: a NaN/inf loss, or a train or validation loss above diverge_factor × ln(vocab_size), the loss
     # of a uniform guess (where every run starts). 0 = only NaN/inf counts.
-    diverge_factor: float = 3.0
+    diverge_factor: NonNegative = 3.0
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    name: str = "run"
+    name: Annotated[str, Meta(pattern=f"^{NAME}\\Z", max_length=MAX_NAME)] = "run"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: Any = field(default_factory=AdamWConfig)  # one of the OPTIMIZERS config classes
     train: TrainConfig = field(default_factory=TrainConfig)
     qat: QATConfig | None = None  # quantization-aware training from scratch when set
     robust: RobustConfig = field(default_factory=RobustConfig)  # method "none": not part of the hash
-    seed: int = 0
+    seed: Seed = 0
     log: LogConfig = field(default_factory=LogConfig)  # experiment tracking; not part of the config hash
-    preset: str = ""  # the size preset it was built from (a study's size): a label, not part of the hash
+    # the size preset it was built from (a study's size): a label, not part of the hash
+    preset: Annotated[str, Meta(pattern=f"^({NAME})?\\Z")] = ""
 
 
 # Run presets: a model size and the batch settings that suit it. The budget follows from
@@ -92,7 +99,7 @@ def run_preset(name: str) -> RunConfig:
     if name not in RUN_PRESETS:
         raise OptquantError(f"unknown preset {name!r}; choose one of {', '.join(RUN_PRESETS)}")
     cfg = RunConfig(name=name, model=model_config(name), preset=name)
-    return apply_overrides(cfg, [f"{k}={v}" for k, v in RUN_PRESETS[name].items()])
+    return override(cfg, RUN_PRESETS[name])
 
 
 def config_hash(cfg: Any) -> str:
@@ -128,156 +135,28 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-# --- parsing values by type -------------------------------------------------------------------
-
-
-def parse_value(value: str, tp: Any, path: str) -> Any:
-    """`value` (a string from --set or TOML) as type `tp`; errors name the dotted `path`."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value.lower() in ("none", "null") and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return parse_value(value, arg, path)
-            except OptquantError:
-                continue
-        raise OptquantError(f"--set {path}={value}: not a valid {tp}")
-    if origin is Literal:
-        for choice in args:
-            if str(choice) == value:
-                return choice
-        raise OptquantError(f"--set {path}={value}: choose one of {', '.join(map(str, args))}")
-    if tp is bool:
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise OptquantError(f"--set {path}={value}: expected true or false")
-    if tp in (int, float):
-        try:
-            number = tp(float(value)) if tp is int and float(value).is_integer() else tp(value)
-        except (ValueError, OverflowError):
-            raise OptquantError(f"--set {path}={value}: expected a number ({tp.__name__})") from None
-        if isinstance(number, float) and not math.isfinite(number):
-            raise OptquantError(f"--set {path}={value}: must be a finite number")
-        return number
-    if tp is str:
-        return value
-    if origin in (tuple, list):
-        return tp(parse_value(v.strip(), args[0], path) for v in value.strip("()[]").split(",") if v.strip())
-    raise OptquantError(f"--set {path}: cannot set a field of type {tp}")
-
-
-# --- validation: every field's type and range, checked whenever a config is built ----------------
-
-# (low, high, low inclusive, high inclusive) by field name (optim/ranges.py); a config's own RANGES (every
-# optimizer's) win, then a `<section>.<field>` entry, then the bare name. `lr` is every optimizer's peak
-# learning rate. Fields not listed only have their type checked.
-_RANGES: dict[str, Range] = {
-    **dict.fromkeys(("lr", "rope_base", "init_std", "cl_threshold"), POSITIVE),
-    **dict.fromkeys(("tokens_per_param", "steps", "diverge_factor", "split_seed", "cl_eval_every", "cl_eval_from"),
-                    NONNEG),
-    **dict.fromkeys(("batch_size", "grad_accum", "eval_every", "eval_batches", "n_layer", "d_model", "n_head",
-                     "n_kv_head", "mlp_ratio"), ONE_UP),
-    **dict.fromkeys(("warmup_frac", "decay_frac"), UNIT),
-    "seed": (0, 2**31 - 1, True, True),  # numpy seeds must fit 32 bits; offsets are added to it
-    "seq_len": (2, math.inf, True, False),
-    "vocab_size": (257, 2**31 - 1, True, True),
-    "robust.every": ONE_UP,
-}
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
-MAX_NAME = 128  # a run directory's name adds the optimizer and a hash; file names stop at 255 bytes
-
-
-def _check_type(value: Any, tp: Any, path: str) -> None:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _check_type(value, arg, path)
-            except OptquantError as e:
-                errors.append(str(e))
-        raise OptquantError(errors[0] if errors else f"{path}: None is not allowed")
-    if origin is Literal:
-        if value not in args or type(value) is not type(args[args.index(value)]):
-            raise OptquantError(f"{path}={value!r}: choose one of {', '.join(map(str, args))}")
-        return
-    if origin in (tuple, list):
-        if not isinstance(value, tuple | list):
-            raise OptquantError(f"{path}={value!r}: expected a list")
-        for v in value:
-            _check_type(v, args[0], path)
-        return
-    if tp is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        if ok and not (math.isfinite(value) if isinstance(value, float) else abs(value) < 2**1000):
-            raise OptquantError(f"{path}={value}: must be a finite number")
-    elif tp is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif tp is str:
-        ok = isinstance(value, str)
-        if ok and "\0" in value:
-            raise OptquantError(f"{path}: contains a NUL character")
-    elif tp is bool:
-        ok = isinstance(value, bool)
-    elif is_dataclass(tp):
-        ok = isinstance(value, tp)
-    else:
-        ok = True
-    if not ok:
-        raise OptquantError(f"{path}={value!r}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__}")
-
-
-def field_range(owner: type, section: str, name: str) -> Range | None:
-    """The rule `validate` applies to field `name` of config class `owner` at dotted `section` ("" at the top
-    level): the class's own RANGES (every optimizer's), then `<section>.<name>` or `name` in _RANGES; None = its
-    type only. docs/configuration.py documents every field's range with it."""
-    own = getattr(owner, "RANGES", {})
-    return own.get(name) or next((_RANGES[k] for k in (f"{section}.{name}", name) if k in _RANGES), None)
-
-
-def _check_range(value: Any, rule: Range | None, path: str) -> None:
-    if rule is None or value is None or isinstance(value, bool) or not isinstance(value, int | float):
-        return
-    lo, hi, lo_in, hi_in = rule
-    if (value < lo or (value == lo and not lo_in)) or (value > hi or (value == hi and not hi_in)):
-        interval = f"{'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
-        raise OptquantError(f"{path}={value}: must be in {interval}")
-
-
-def _check_fields(obj: Any, section: str) -> None:
-    for f in fields(obj):
-        value, tp = getattr(obj, f.name), _field_types(type(obj))[f.name]
-        path = f"{section}.{f.name}" if section else f.name
-        if f.name == "optim" and not section:
-            if type(value) not in (*OPTIMIZERS.values(), PluginConfig):
-                raise OptquantError(f"optim: not an optimizer config ({type(value).__name__})")
-        else:
-            _check_type(value, tp, path)
-        if is_dataclass(value):
-            _check_fields(value, path)
-        else:
-            _check_range(value, field_range(type(obj), section, f.name), path)
+# --- building a config: a dict of typed values, checked by msgspec against the dataclasses' annotations ------
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    """Check every field of `cfg` for type and range, and the fields' mutual constraints; returns it.
+    """`cfg` checked as every config is built (presets, TOML, --set, config.json): each field's type and range,
+    then the fields' mutual constraints; bad input fails before a run directory exists. Returns `cfg` itself."""
+    _decode(to_dict(cfg))
+    return cfg
 
-    Runs whenever a config is built (presets, TOML, --set, config.json), so bad input fails before a run
-    directory exists."""
-    if isinstance(cfg.optim, PluginConfig) and math.isnan(cfg.optim.lr):
-        raise OptquantError(f"optimizer plugin {cfg.optim.name!r} declares no default_lr: set optim.lr=... "
-                            f"(in a study: lrs.{cfg.optim.name}=...)")
-    _check_fields(cfg, "")
-    if not _NAME.fullmatch(cfg.name) or len(cfg.name) > MAX_NAME:
-        raise OptquantError(f"name={cfg.name[:40]!r}{'…' if len(cfg.name) > 40 else ''}: use at most {MAX_NAME} "
-                            "letters, digits and . _ + - (it names the run directory)")
-    if cfg.preset and not _NAME.fullmatch(cfg.preset):
-        raise OptquantError(f"preset={cfg.preset!r}: use letters, digits and . _ + - (it labels the run's size)")
+
+def _decode(data: dict) -> RunConfig:
+    optim = data.get("optim", {})
+    if not isinstance(optim, dict) or not isinstance(name := optim.get("name", "adamw"), str) or not name:
+        raise OptquantError(f"optim={optim!r}: expected a table with an optimizer's name")
+    if name not in OPTIMIZERS and (not isinstance(lr := optim.get("lr"), int | float) or math.isnan(lr)):
+        raise OptquantError(f"optimizer plugin {name!r} declares no default_lr: set optim.lr=... "
+                            f"(in a study: lrs.{name}=...)")
+    cls = optimizer_config_class(name)  # never imports a plugin: its record or its defaults carry its lr
+    cfg = _convert(RunConfig, {**data, "optim": _convert(cls, optim, "optim.")})
+    for path, value in _leaves(to_dict(cfg)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise OptquantError(f"{path}={value}: must be a finite number")
     tc = cfg.train
     if tc.batch_size % tc.grad_accum:
         raise OptquantError(f"train.batch_size={tc.batch_size} is not divisible by train.grad_accum={tc.grad_accum}")
@@ -287,8 +166,6 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise OptquantError(f"train.warmup_frac + train.decay_frac = {tc.warmup_frac + tc.decay_frac} exceeds 1")
     if 0 < tc.diverge_factor <= 1:
         raise OptquantError(f"train.diverge_factor={tc.diverge_factor}: must be above 1 (× ln vocab), or 0 = off")
-    if not cfg.data.source or not cfg.data.text_field:
-        raise OptquantError("data.source and data.text_field must not be empty")
     try:
         cfg.model.validate()
     except ValueError as e:
@@ -299,45 +176,126 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def _convert(cls: type, data: Any, prefix: str = "") -> Any:
+    """msgspec's conversion of `data` to dataclass `cls`, its error as one line naming the dotted key and value
+    (msgspec ignores a dataclass's unknown fields: `_known` refuses them first)."""
+    try:
+        return msgspec.convert(_known(cls, data, prefix) if isinstance(data, dict) else data, cls)
+    except msgspec.ValidationError as e:
+        message, _, at = str(e).partition(" - at `$.")
+        if not at:
+            raise OptquantError(message) from None
+        keys, value, tp = at.rstrip("`").split("."), data, cls
+        for key in (k.partition("[")[0] for k in keys):
+            value = value.get(key) if isinstance(value, dict) else None
+            tp = _field_types(tp).get(key) if is_dataclass(tp) else None
+        raise OptquantError(f"{prefix}{'.'.join(keys)}={value!r}: {message}{_choices(tp)}") from None
+
+
+def _choices(tp: Any) -> str:
+    return f" (choose one of {', '.join(map(str, typing.get_args(tp)))})" if typing.get_origin(tp) is Literal else ""
+
+
+def _known(cls: type, data: dict, prefix: str) -> dict:
+    """`data` with old field names renamed (an optimizer's LEGACY_NAMES); an unknown field, or one given under
+    both names, is an error naming it."""
+    types_, out = _field_types(cls), {}
+    for given, value in data.items():
+        key = _current_name(cls, given)
+        if key != given and key in data:
+            raise OptquantError(f"{prefix}{given}: both {key!r} and its old name {given!r}")
+        if key not in types_:
+            raise OptquantError(f"{prefix}{given}: unknown field {key!r} for {cls.__name__}")
+        inner = [a for a in (types_[key], *typing.get_args(types_[key])) if is_dataclass(a)]
+        out[key] = _known(inner[0], value, f"{prefix}{key}.") if inner and isinstance(value, dict) else value
+    return out
+
+
+def _leaves(data: dict, prefix: str = ""):
+    for key, value in data.items():
+        yield from _leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+
+
+def _current_name(cls: type, key: str) -> str:
+    """A field's name now, for `key` that may be its old name (an optimizer config's LEGACY_NAMES)."""
+    return next((new for new, old in getattr(cls, "LEGACY_NAMES", {}).items() if old == key), key)
+
+
 # get_type_hints re-evaluates every annotation: a large share of a smoke study's time uncached (docs/benchmarks.md)
 @functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def field_type(cfg: Any, keys: list[str], path: str) -> Any:
-    """The type of the field at `keys` (a dotted path, split) of dataclass `cfg`."""
+def from_dict(data: dict, path: str = "config") -> RunConfig:
+    """Rebuild a RunConfig from `to_dict` output (e.g. a run's config.json). Never imports a plugin it names."""
+    if not isinstance(data, dict):
+        raise OptquantError(f"{path}: not a run config (a JSON object)")
+    try:
+        return _decode(data)
+    except OptquantError as e:
+        raise OptquantError(f"{path}: {e}") from None
+
+
+# --- overrides: dotted keys, typed values or --set strings --------------------------------------------------
+
+_WORDS = {"none": None, "null": None, "yes": True, "on": True, "no": False, "off": False}
+
+
+def parse_value(value: str, tp: Any, path: str) -> Any:
+    """`value` (a --set string) as type `tp`, by msgspec's lax conversion (numbers, true/false/1/0, null), with
+    none, yes/no and on/off as words and a list as comma-separated values; errors name the dotted `path`."""
+    text = value.strip()
+    if typing.get_origin(tp) in (tuple, list):
+        text = [v.strip() for v in text.strip("()[]").split(",") if v.strip()]
+    try:
+        out = msgspec.convert(text, tp, strict=False)
+    except msgspec.ValidationError as e:
+        if isinstance(text, str) and text.lower() in _WORDS:
+            with contextlib.suppress(msgspec.ValidationError):
+                return msgspec.convert(_WORDS[text.lower()], tp)
+        raise OptquantError(f"--set {path}={value}: {e}{_choices(tp)}") from None
+    if any(isinstance(v, float) and not math.isfinite(v) for v in (out if isinstance(out, tuple | list) else [out])):
+        raise OptquantError(f"--set {path}={value}: must be a finite number")
+    return out
+
+
+def field_type(cfg: Any, keys: list[str], path: str) -> tuple[list[str], Any]:
+    """The current names along `keys` (a dotted path, split) of dataclass `cfg`, and the type of their field."""
     if not is_dataclass(cfg):
         raise OptquantError(f"--set {path}: {'.'.join(keys[:-1]) or path} has no fields")
     key, types_ = _current_name(type(cfg), keys[0]), _field_types(type(cfg))
     if key not in types_:
-        known = ", ".join(f.name for f in fields(cfg))
-        raise OptquantError(f"--set {path}: unknown field {key!r} (known: {known})")
+        raise OptquantError(f"--set {path}: unknown field {key!r} (known: {', '.join(types_)})")
     if len(keys) == 1:
-        return types_[key]
-    inner = getattr(cfg, key)
-    return field_type(QATConfig() if inner is None and key == "qat" else inner, keys[1:], path)
+        return [key], types_[key]
+    names, tp = field_type(getattr(cfg, key), keys[1:], path)
+    return [key, *names], tp
 
 
 def set_field(cfg: Any, keys: list[str], value: str, path: str) -> Any:
-    """A copy of dataclass `cfg` with the field at `keys` (a dotted path, split) set to `value`, parsed."""
-    return _set(cfg, keys, parse_value(value, field_type(cfg, keys, path), path))
+    """A copy of dataclass `cfg` (a study spec, a GPU plan) with the field at `keys` set to `value`, parsed."""
+    names, tp = field_type(cfg, keys, path)
+    return _set(cfg, names, parse_value(value, tp, path))
 
 
 def _set(cfg: Any, keys: list[str], value: Any) -> Any:
-    key = _current_name(type(cfg), keys[0])
-    return replace(cfg, **{key: value if len(keys) == 1 else _set(getattr(cfg, key), keys[1:], value)})
+    return replace(cfg, **{keys[0]: value if len(keys) == 1 else _set(getattr(cfg, keys[0]), keys[1:], value)})
+
+
+class _Text(str):
+    """A --set string, which `override` parses by the type of the field it sets (TOML's values keep theirs)."""
 
 
 def _switched(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
-    """`cfg` with the switches of `values` applied: `optim.name` (that optimizer's defaults), `qat` (None
+    """`cfg` with the switches of `values` applied: `optim.name` (that optimizer's defaults), `qat` (none
     removes QAT) and a `qat.*` key (creates a QATConfig)."""
     if "optim.name" in values:
         if not isinstance(name := values["optim.name"], str):
             raise OptquantError(f"optim.name={name!r}: expected str, got {type(name).__name__}")
-        cfg = replace(cfg, optim=optimizer_config(name))
+        cfg = replace(cfg, optim=optimizer_config(str(name)))
     if "qat" in values:
-        if values["qat"] is not None:
+        if str(values["qat"]).lower() not in ("none", "off", "null"):  # `qat = "none"`: TOML has no null
             raise OptquantError("--set qat=...: only qat=none; set qat.method=quest to enable QAT")
         cfg = replace(cfg, qat=None)
     if cfg.qat is None and any(k.startswith("qat.") for k in values):
@@ -346,51 +304,37 @@ def _switched(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
 
 
 def override(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
-    """A copy of `cfg` with each dotted field of `values` set to its (typed) value, then validated: the
-    switches first (`optim.name`, `qat`: see `_switched`), then every other field."""
+    """A copy of `cfg` with each dotted field of `values` set to its value (typed, or a --set string parsed by
+    the field's type), then validated: the switches first (`optim.name`, `qat`: see `_switched`), wherever they
+    are, then every other field."""
     cfg = _switched(cfg, values)
+    data = to_dict(cfg)
     for key, value in values.items():
         if key not in ("optim.name", "qat"):
-            tp = field_type(cfg, key.split("."), key)  # an unknown field is one error naming it
-            _check_type(value := _widened(value, tp), tp, key)  # before a class's __post_init__ compares it
-            cfg = _set(cfg, key.split("."), value)
-    return validate(cfg)
+            (*sections, name), tp = field_type(cfg, key.split("."), key)  # an unknown field: one error naming it
+            if is_dataclass(tp) or tp is Any:  # a section (optim: any optimizer's)
+                raise OptquantError(f"{key}={value!r}: a section; set its fields ({key}.FIELD=...)")
+            value = parse_value(value, tp, key) if isinstance(value, _Text) else value
+            functools.reduce(dict.__getitem__, sections, data)[name] = value
+    return _decode(data)
 
 
-def _widened(value: Any, tp: Any) -> Any:
-    """A typed value (TOML's) as its field holds it: an int where a float belongs as that float (so that the
-    run id is the one `--set` gives), a list as a tuple. Nothing else is converted: validate checks the type."""
-    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    if type(value) is int and float in args and int not in args:
-        return float(value)
-    inner = [typing.get_args(a)[0] for a in args if typing.get_origin(a) in (tuple, list)]
-    return tuple(_widened(v, inner[0]) for v in value) if isinstance(value, list) and inner else value
-
-
-def parse_overrides(cfg: RunConfig, overrides: list[str]) -> dict[str, Any]:
-    """`a.b=value` strings (--set, TOML, a study's settings) as {dotted key: value parsed by its field's type};
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`a.b=value` strings (--set, a study's settings) as {dotted key: the string, which `override` parses};
     a key given twice keeps its last value."""
-    pairs = []
+    values: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise OptquantError(f"--set {item}: expected key=value, e.g. optim.lr=3e-3")
         key, value = item.split("=", 1)
-        pairs.append((key.strip(), value.strip()))
-    switches = {k: v for k, v in pairs if k in ("optim.name", "qat")}
-    if switches.get("qat", "").lower() in ("none", "off", "null"):
-        switches["qat"] = None  # anything else is _switched's error
-    shape = _switched(cfg, {**dict.fromkeys(k for k, _ in pairs), **switches})  # the fields the values go to
-    values: dict[str, Any] = {}
-    for key, value in pairs:
-        values.pop(key, None)  # the last one wins, in its place
-        values[key] = switches[key] if key in switches else \
-            parse_value(value, field_type(shape, key.split("."), key), key)
+        values.pop(key.strip(), None)  # the last one wins, in its place
+        values[key.strip()] = _Text(value.strip())
     return values
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     """Apply `a.b=value` overrides (optimizer and QAT switches first)."""
-    return override(cfg, parse_overrides(cfg, overrides))
+    return override(cfg, parse_overrides(overrides))
 
 
 def _flatten_toml(table: dict, prefix: str = "") -> dict[str, Any]:
@@ -421,71 +365,8 @@ def load_toml(path: Path) -> tuple[str | None, list[str]]:
 def resolve(preset: str | None, toml_path: Path | None, overrides: list[str]) -> RunConfig:
     """preset → TOML file → --set overrides, each later one winning (the switches first, wherever they are).
     TOML values keep TOML's types: a list or a string where a number belongs is an error naming the key."""
-    toml_preset, toml_values = read_toml(toml_path) if toml_path else (None, {})
-    if isinstance(toml_values.get("qat"), str) and toml_values["qat"].lower() in ("none", "off", "null"):
-        toml_values["qat"] = None  # `qat = "none"`: TOML has no null
-    cfg = run_preset(preset or toml_preset or "tiny")
-    try:
-        shape = _switched(cfg, toml_values)  # the TOML's optimizer and QAT section, which --set values go to
-    except OptquantError as e:
-        raise OptquantError(f"{toml_path}: {e}") from None
-    values = dict(toml_values)
-    for key, value in parse_overrides(shape, list(overrides)).items():
+    toml_preset, values = read_toml(toml_path) if toml_path else (None, {})
+    for key, value in parse_overrides(list(overrides)).items():
         values.pop(key, None)  # the last one wins, in its place
         values[key] = value
-    return override(cfg, values)
-
-
-def _current_name(cls: type, key: str) -> str:
-    """A field's name now, for `key` that may be its old name (an optimizer config's LEGACY_NAMES)."""
-    return next((new for new, old in getattr(cls, "LEGACY_NAMES", {}).items() if old == key), key)
-
-
-def _build(cls: type, data: dict, path: str) -> Any:
-    types_ = _field_types(cls)
-    kwargs = {}
-    for given, value in data.items():
-        key = _current_name(cls, given)  # an old config.json spells a renamed field by its old name
-        if key != given and key in data:
-            raise OptquantError(f"{path}: both {key!r} and its old name {given!r}")
-        if key not in types_:
-            raise OptquantError(f"{path}: unknown field {key!r} for {cls.__name__}")
-        tp = types_[key]
-        kwargs[key] = tuple(value) if isinstance(value, list) else value
-        if isinstance(value, dict) and isinstance(tp, type) and is_dataclass(tp):
-            kwargs[key] = _build(tp, value, path)
-    return cls(**kwargs)
-
-
-def _check_plugin_record(name: Any, optim: dict, path: str) -> None:
-    """A plugin optimizer in a record is kept as its name and lr, never imported: a run directory may come
-    from someone else, and only training needs the optimizer (it loads the plugin the user names)."""
-    if not isinstance(name, str) or not name:
-        raise OptquantError(f"{path}: optim.name must be an optimizer's name, got {name!r}")
-    lr = optim.get("lr")
-    if name not in OPTIMIZERS and (not isinstance(lr, int | float) or isinstance(lr, bool) or not math.isfinite(lr)):
-        raise OptquantError(f"{path}: optimizer plugin {name!r} has no finite optim.lr in the record")
-
-
-def from_dict(data: dict, path: str = "config") -> RunConfig:
-    """Rebuild a RunConfig from `to_dict` output (e.g. a run's config.json). Never imports a plugin it names."""
-    if not isinstance(data, dict):
-        raise OptquantError(f"{path}: not a run config (a JSON object)")
-    data = dict(data)
-    optim = data.pop("optim", None) or {}
-    qat = data.pop("qat", None)
-    if not isinstance(optim, dict) or not (qat is None or isinstance(qat, dict)):
-        raise OptquantError(f"{path}: optim and qat must be tables")
-    try:
-        cfg = _build(RunConfig, data, path)
-        name = optim.get("name", "adamw")
-        _check_plugin_record(name, optim, path)
-        cfg = replace(cfg,
-                      optim=_build(optimizer_config_class(name), optim, path),
-                      qat=None if qat is None else _build(QATConfig, qat, path))
-    except (TypeError, ValueError) as e:
-        raise OptquantError(f"{path}: not a valid run config ({e})") from None
-    try:
-        return validate(cfg)
-    except OptquantError as e:
-        raise OptquantError(f"{path}: {e}") from None
+    return override(run_preset(preset or toml_preset or "tiny"), values)

@@ -42,14 +42,16 @@ import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Literal, NamedTuple
 
 import numpy as np
 import tokenizers
+from msgspec import Meta
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from optquant.errors import OptquantError
 from optquant.files import temp_path
+from optquant.ranges import Natural, NonEmpty, Positive
 
 if TYPE_CHECKING:  # torch only where batches are drawn: `optquant data prepare` and its workers never load it
     import torch
@@ -68,20 +70,14 @@ Document = tuple[str, str]  # (stable id, text)
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "embedded"  # "embedded", a file / directory of .txt, .jsonl, .parquet, or prepared dirs (A,B)
-    text_field: str = "text"  # jsonl field or parquet column holding the text
-    val_fraction: float = 0.05  # expected share of documents held out
-    split_seed: int = 0
+    source: NonEmpty = "embedded"  # "embedded", a file / directory of .txt, .jsonl, .parquet, or prepared dirs (A,B)
+    text_field: NonEmpty = "text"  # jsonl field or parquet column holding the text
+    val_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.05  # expected share of documents held out
+    split_seed: Natural = 0
     cache_dir: str = ""  # "" → $OPTQUANT_CACHE or ~/.cache/optquant
     # Refuse a run that would see its training tokens more often (train, study; not part of the run id).
     # Muennighoff et al. 2023 find repeated tokens worth ever less past ~4 epochs and next to nothing past ~16.
-    max_epochs: float = 16.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.val_fraction < 1.0:
-            raise OptquantError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
-        if not self.max_epochs > 0:
-            raise OptquantError(f"data.max_epochs must be positive, got {self.max_epochs}")
+    max_epochs: Positive = 16.0
 
 
 @dataclass(frozen=True, eq=False)

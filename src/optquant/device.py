@@ -5,7 +5,8 @@ AVX512-BF16 or AMX. Elsewhere (e.g. AVX2-only CPUs) torch emulates bf16 matmuls,
 fp32 (docs/benchmarks.md), so `auto` means fp32 there. `train.precision` and Muon's/Scion's
 `ns_dtype` both go through `use_bf16`.
 
-`keep_freed_memory` is the other machine fact: how glibc's malloc returns memory to the kernel.
+`keep_freed_memory` / `return_freed_memory` are the other machine fact: how glibc's malloc returns memory to the
+kernel.
 `resident(module)` holds a lazily loaded module's weights in memory for a block (optquant.hf.lazy).
 """
 
@@ -57,6 +58,7 @@ def cpu_name() -> str:
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, glibc's malloc.h
 KEEP_BYTES = 1 << 30
+RETURN_BYTES = 1 << 20
 
 
 def keep_freed_memory() -> bool:
@@ -67,13 +69,27 @@ def keep_freed_memory() -> bool:
     benchmarks/allocator.py, a whole run, a whole study). Numbers are unchanged: only where the memory comes
     from differs. The cost is resident memory: a process keeps its peak. Not touched when the user tunes malloc already
     (GLIBC_TUNABLES naming glibc.malloc, or MALLOC_*_ variables), nor off glibc. Returns whether it applied."""
+    return _mallopt(KEEP_BYTES)
+
+
+def return_freed_memory() -> bool:
+    """The opposite, for the runs memory bounds (`--hf`): every block of 1 MiB or more mapped on its own and
+    unmapped when freed, the heap trimmed above 1 MiB free. glibc's default raises its mmap threshold to the
+    largest block freed (up to 32 MiB), after which a walk's activations of a few MB land on the heap, and the
+    heap's holes stay resident (a 2-layer 0.5B-shaped bf16 analyze peaked 0.19 GB lower with the threshold
+    pinned, docs/benchmarks.md). The cost is page faults on each big allocation. Same conditions and return as
+    keep_freed_memory."""
+    return _mallopt(RETURN_BYTES)
+
+
+def _mallopt(size: int) -> bool:
     if not sys.platform.startswith("linux") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
         return False
     try:
         libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, KEEP_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, size) and libc.mallopt(M_TRIM_THRESHOLD, size))
     except (OSError, AttributeError):  # musl and others have no mallopt
         return False
 

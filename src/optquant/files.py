@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,8 +67,28 @@ def check_record(where: Path | str, record: dict, fields: dict[str, tuple[type, 
                                 f"({' or '.join('null' if t is type(None) else t.__name__ for t in types)}){hint}")
 
 
-def read_text(path: Path, kind: str) -> str:
-    """The UTF-8 text of a `kind` ("JSON", "TOML") file; missing, a directory or not UTF-8 is one error."""
+MAX_TEXT_BYTES = 64 << 20  # a JSON or TOML file read whole: far above any optquant writes or a user types
+
+
+def regular_file(path: Path, kind: str) -> int:
+    """The size of `path`, a regular file; missing, a directory, a FIFO or a device (whose read may block or never
+    end: /dev/zero) is one error naming what it is."""
+    try:
+        mode, size = (st := os.stat(path)).st_mode, st.st_size
+    except FileNotFoundError:
+        raise OptquantError(f"{path}: file not found") from None
+    if not stat.S_ISREG(mode):
+        what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
+        raise OptquantError(f"{path}: is {what}, not a {kind} file")
+    return size
+
+
+def read_text(path: Path, kind: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """The UTF-8 text of a `kind` ("JSON", "TOML") file; not a regular file, over `limit` bytes or not UTF-8 is
+    one error."""
+    if (size := regular_file(path, kind)) > limit:
+        raise OptquantError(f"{path}: {size:,} bytes, too large for a {kind} file (at most {limit >> 20} MB)")
     try:
         return Path(path).read_bytes().decode("utf-8")
     except FileNotFoundError:

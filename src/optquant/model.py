@@ -32,26 +32,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
+from msgspec import Meta
 from torch import Tensor, nn
+
+from optquant.ranges import Count, Positive
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     arch: Literal["olmo2", "llama"] = "olmo2"
-    vocab_size: int = 4096
-    n_layer: int = 2
-    d_model: int = 128
-    n_head: int = 4
-    n_kv_head: int = 4  # GQA: n_head must be a multiple of n_kv_head
-    mlp_ratio: int = 4  # hidden = mlp_ratio * d_model (olmo2); llama uses 2/3 of it, rounded to 128
-    seq_len: int = 128
-    rope_base: float = 1024.0
+    vocab_size: Annotated[int, Meta(ge=257, le=2**31 - 1)] = 4096
+    n_layer: Count = 2
+    d_model: Count = 128
+    n_head: Count = 4
+    n_kv_head: Count = 4  # GQA: n_head must be a multiple of n_kv_head
+    mlp_ratio: Count = 4  # hidden = mlp_ratio * d_model (olmo2); llama uses 2/3 of it, rounded to 128
+    seq_len: Annotated[int, Meta(ge=2)] = 128
+    rope_base: Positive = 1024.0
     tie_embeddings: bool = True
-    init_std: float = 0.02
+    init_std: Positive = 0.02
     norm: Literal["rms", "single"] = "rms"  # "single": OSP's single-scale RMSNorm (module docstring)
     embed_proj: bool = False  # OSP's learned embedding projections (module docstring)
 
@@ -73,10 +76,6 @@ class ModelConfig:
                              f"model.n_kv_head={self.n_kv_head}")
         if self.head_dim % 2:
             raise ValueError(f"head width {self.head_dim} must be even for RoPE")
-        if self.arch not in ("olmo2", "llama"):
-            raise ValueError(f"model.arch must be 'olmo2' or 'llama', got {self.arch!r}")
-        if self.norm not in ("rms", "single"):
-            raise ValueError(f"model.norm must be 'rms' or 'single', got {self.norm!r}")
 
 
 class SingleScaleRMSNorm(nn.Module):

@@ -74,10 +74,11 @@ def _dispatch(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # `data prepare` and its workers load no torch; `--hf` runs are bounded by memory, and malloc keeping its
     # freed blocks makes a process keep its peak: the 0.5B bf16 analyze grew ~0.7 GB of freed heap (issue 33)
-    if args.command != "data" and getattr(args, "hf", None) is None:
-        from optquant.device import keep_freed_memory
+    if args.command != "data":
+        from optquant.device import keep_freed_memory, return_freed_memory
 
-        keep_freed_memory()  # fewer page faults per step on CPU, the same numbers (device.py)
+        # fewer page faults per step on CPU, or (--hf) freed memory back to the kernel; the same numbers (device.py)
+        (keep_freed_memory if getattr(args, "hf", None) is None else return_freed_memory)()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

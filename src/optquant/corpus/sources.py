@@ -75,7 +75,8 @@ def resolve_inputs(sources: list[str]) -> list[Input]:
                 raise OptquantError(f"{path}: unsupported file type; use one of {', '.join(SUFFIXES)}")
             files = [(path.name, path)]
         else:
-            raise OptquantError(f"data source {source} does not exist")
+            raise OptquantError(f"data source {source} " + ("is not a file or directory (a FIFO or device)"
+                                                            if path.exists() else "does not exist"))
         if not files:
             raise OptquantError(f"no {', '.join(SUFFIXES)} files in {source}")
         for name, p in files:

@@ -8,6 +8,12 @@ norm and LM head (what every pass needs at its ends), and gives each residual su
 exit, so a walk over the chain (metrics/chain.py, metrics/outliers.py) holds one sublayer at a time. On a
 GPU the embedding is on the GPU and each block is read onto it: the same code runs offloaded.
 
+The compute dtype: a bf16 checkpoint computes in bf16 where the CPU multiplies bf16 natively
+(`device.fast_bf16`: AVX512-BF16 or AMX); elsewhere torch emulates bf16 matmuls, many times slower (a 0.5B
+analyze ran > 33 min on an EPYC without them, 147 s with AMX), so there each sublayer is read as fp32 (the
+upcast of one sublayer at a time) and the final norm too, while the embedding (and the head tied to it)
+stays stored in bf16 and hands fp32 activations on: the numbers are then those of `dtype="float32"`.
+
 The checkpoint is checked as `load_hf_model` checks it (names and shapes against the model built from
 config.json; a missing or extra tensor is an error). Left out on purpose: quantized checkpoints, and
 passes that need every block at once (the Hadamard rotation, lm-eval): they load the model whole.
@@ -21,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from optquant import device
 from optquant.errors import OptquantError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,8 +65,9 @@ class LazyWeights:
         for file in files:
             with safe_open(file, "pt", device=str(device)) as f:
                 for attr, (fi, key) in self.where.items():
-                    if fi == file:
-                        _set(module, attr, f.get_tensor(key).to(self.dtype))
+                    if fi == file:  # a copy: a tensor on the file's mapping would keep every page read resident
+                        t = f.get_tensor(key)
+                        _set(module, attr, t.to(self.dtype) if t.dtype != self.dtype else t.clone())
 
     def release_(self, module: nn.Module) -> None:
         for attr in self.where:
@@ -97,17 +105,22 @@ def load_lazy(path: Path, dtype: str, seq_len: int):
     base.rotary_emb = type(base.rotary_emb)(config=config)  # its buffers are computed, not stored
     model = HFLM(hf, seq_len=seq_len)
     names = {id(m): n for n, m in hf.named_modules()}
+    compute = torch.float32 if want == torch.bfloat16 and not device.fast_bf16(torch.device("cpu")) else want
     for sub in model.sublayers():
         for m in (sub.inner, sub.norm):
-            object.__setattr__(m, "_lazy_weights", LazyWeights(m, names[id(m)] + ".", index, want))
+            object.__setattr__(m, "_lazy_weights", LazyWeights(m, names[id(m)] + ".", index, compute))
         object.__setattr__(sub, "_lazy_weights", _Group([sub.inner, sub.norm]))
     try:
-        for m in (base.embed_tokens, base.norm, *(() if config.tie_word_embeddings else (hf.lm_head,))):
-            LazyWeights(m, names[id(m)] + ".", index, want).load_(m, torch.device("cpu"))
+        for m, dt in ((base.embed_tokens, want), (base.norm, compute),
+                      *(() if config.tie_word_embeddings else ((hf.lm_head, want),))):
+            LazyWeights(m, names[id(m)] + ".", index, dt).load_(m, torch.device("cpu"))
     except Exception as e:  # a shard that the index names but that is not safetensors
         raise OptquantError(f"{path}: unreadable weights ({type(e).__name__}: {str(e).splitlines()[:1]})") from None
     if config.tie_word_embeddings:
         hf.lm_head.weight = base.embed_tokens.weight
+    if compute != want:  # bf16 storage, fp32 compute: the embedding's rows upcast, the head's input downcast
+        base.embed_tokens.register_forward_hook(lambda m, args, out: out.to(compute))
+        hf.lm_head.register_forward_pre_hook(lambda m, args: tuple(a.to(m.weight.dtype) for a in args))
     return model.eval()
 
 

@@ -33,6 +33,7 @@ from optquant.config import RunConfig, TrainConfig
 from optquant.corpus.manifest import is_prepared
 from optquant.data import DataConfig, TokenData, load_tokens, read_documents, split_documents
 from optquant.errors import OptquantError
+from optquant.files import regular_file
 from optquant.hf import load_hf, load_hf_tokenizer
 from optquant.model import ModelConfig
 from optquant.ptq_stage import AnalysisConfig, LoadedRun, model_analysis, model_damage
@@ -55,6 +56,7 @@ class HFSource:
 
 def read_ids(path: Path, vocab_size: int, seq_len: int) -> np.ndarray:
     """The token ids in `path` (see the module docstring), checked, as int64."""
+    regular_file(path, "token-id")  # a FIFO or /dev/zero would block or never end
     try:
         ids = np.load(path, allow_pickle=False) if path.suffix == ".npy" else np.array(path.read_text().split(),
                                                                                      dtype=np.int64)

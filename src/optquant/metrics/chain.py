@@ -137,11 +137,17 @@ def quantized_links(model: nn.Module, qcfg: PTQConfig, cfg, calib: Iterable | No
     q_lm_head = model.lm_head
     if "lm_head" in layers:  # the quantized head: its own weight, a tied embedding stays FP
         holder = nn.ModuleDict({"lm_head": model.lm_head})
-        quantize_unit_(holder, lambda x: holder.lm_head(model.norm(x)), {"lm_head": model.lm_head}, qcfg, xs, False)
+        head = {"lm_head": model.lm_head}
+        quantize_unit_(holder, lambda x: holder.lm_head(_to(model.norm(x), holder.lm_head)), head, qcfg, xs, False)
         q_lm_head = holder.lm_head
-    link = _final(cfg, model, lambda x: q_lm_head(model.norm(x)), model.norm, q_lm_head)
+    link = _final(cfg, model, lambda x: q_lm_head(_to(model.norm(x), q_lm_head)), model.norm, q_lm_head)
     _assign_linears(model, [link], cfg, lambda n: q_lm_head if n == "lm_head" else model.get_submodule(n))
     yield _with_readout(model, link)
+
+
+def _to(x: Tensor, layer: nn.Module) -> Tensor:
+    """x in `layer`'s weight dtype (an fp32-computing chain over a bf16-stored head, hf/lazy.py)."""
+    return x.to(layer.weight.dtype)
 
 
 def gram_factor(W: Tensor) -> Tensor:

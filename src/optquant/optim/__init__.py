@@ -3,13 +3,14 @@
 A new optimizer is one file, its entry in OPTIMIZERS (and the import) and a passing contract test: no code
 outside optim/ branches on an optimizer's name (tests/test_optimizer_names.py). The file's config, a frozen
 dataclass (`OptimConfig`), has
-- `name` (its registry key) and `lr` (the peak learning rate the schedule scales, > 0 for every optimizer);
+- `name` (its registry key) and `lr: Positive` (the peak learning rate the schedule scales);
 - `build(groups)`: torch optimizers over the three parameter groups (optim/groups.py);
 - `state_bytes(shape, element_size, group)`: the bytes of state it allocates for one parameter of that group
   after a step, which the planner sums (optquant.cost; tests/test_cost.py compares it with a real step);
-- optional ClassVars: `RANGES` (field -> allowed interval, checked on every config; optim/ranges.py),
-  `GROUP_LRS` (group step sizes a study can tie to lr, study/tuning.py) and `LEGACY_NAMES` (a renamed field
-  -> its old name, under which run ids hash it and old config.json files and overrides may spell it);
+- each field's range in its annotation (`momentum: Unit`, optquant/ranges.py), checked on every config;
+- optional ClassVars: `GROUP_LRS` (group step sizes a study can tie to lr, study/tuning.py) and
+  `LEGACY_NAMES` (a renamed field -> its old name, under which run ids hash it and old config.json files and
+  overrides may spell it);
 - optional fields read by name elsewhere: `max_precondition_dim` (a preconditioner's size cap, which the
   planner lowers to make a run fit and the study presets scale to the model) and `ns_dtype` (Newton–Schulz's
   dtype, pinned to fp32 by the CPU studies).

@@ -7,24 +7,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 
 from optquant.optim.groups import ParamGroups
-from optquant.optim.ranges import NONNEG, POSITIVE, UNIT, Range
+from optquant.ranges import NonNegative, Positive, Unit
 
 
 @dataclass(frozen=True)
 class AdamWConfig:
     name: Literal["adamw"] = "adamw"
-    lr: float = 3e-3
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-    RANGES: ClassVar[dict[str, Range]] = {"eps": POSITIVE, "weight_decay": NONNEG, "beta1": UNIT, "beta2": UNIT}
+    lr: Positive = 3e-3
+    beta1: Unit = 0.9
+    beta2: Unit = 0.95
+    eps: Positive = 1e-8
+    weight_decay: NonNegative = 0.0
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """torch AdamW(fused=True): exp_avg, exp_avg_sq and a 0-d fp32 `step` tensor per parameter."""

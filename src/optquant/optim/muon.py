@@ -31,7 +31,7 @@ from torch import Tensor
 from optquant.optim.adamw import AdamWConfig
 from optquant.optim.groups import ParamGroups, closure_loss, dense_params
 from optquant.optim.newton_schulz import DTYPES, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
-from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, UNIT, Range
+from optquant.ranges import Count, NonNegative, Positive, Unit
 
 
 def momentum_direction(grad: Tensor, buf: Tensor, momentum: float, nesterov: bool) -> Tensor:
@@ -82,24 +82,21 @@ class MuonConfig:
     """Defaults: the authors' README example (lr 3e-2, momentum 0.95) and their AdamW for the rest."""
 
     name: Literal["muon"] = "muon"
-    lr: float = 3e-2
-    momentum: float = 0.95
+    lr: Positive = 3e-2
+    momentum: Unit = 0.95
     nesterov: bool = True
-    ns_steps: int = 5
-    weight_decay: float = 0.0  # decoupled, for both Muon and its AdamW (torch.optim.Muon's default is 0.1)
+    ns_steps: Count = 5
+    weight_decay: NonNegative = 0.0  # decoupled, for both Muon and its AdamW (torch.optim.Muon's default is 0.1)
     adjust_lr: Literal["original", "match_rms_adamw"] = "original"  # original: √max(1, rows/cols)
-    adam_lr: float = 3e-3  # the AdamW group's fixed step size (the authors'), used when adam_lr_ratio is 0
-    adam_lr_ratio: float = 0.0  # > 0: the AdamW group's step size is adam_lr_ratio × lr (tied to the LR search)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-6
+    adam_lr: Positive = 3e-3  # the AdamW group's fixed step size (the authors'), used when adam_lr_ratio is 0
+    adam_lr_ratio: NonNegative = 0.0  # > 0: the AdamW group's step size is adam_lr_ratio × lr (tied to the LR search)
+    adam_beta1: Unit = 0.9
+    adam_beta2: Unit = 0.95
+    adam_eps: Positive = 1e-6
     ns_dtype: Literal["auto", "bf16", "fp32"] = "auto"  # Newton–Schulz; bf16 = torch's; auto = as precision
 
     # group step sizes a study can tie to lr and search: label -> (fixed field, ratio field)
     GROUP_LRS: ClassVar[dict[str, tuple[str, str]]] = {"adamw": ("adam_lr", "adam_lr_ratio")}
-    RANGES: ClassVar[dict[str, Range]] = {"momentum": UNIT, "ns_steps": ONE_UP, "weight_decay": NONNEG,
-                                          "adam_lr": POSITIVE, "adam_lr_ratio": NONNEG, "adam_eps": POSITIVE,
-                                          "adam_beta1": UNIT, "adam_beta2": UNIT}
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """torch.optim.Muon's one momentum buffer per matrix; the rest is the AdamW optimizer's state."""

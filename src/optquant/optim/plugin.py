@@ -37,6 +37,7 @@ import torch
 
 from optquant.errors import OptquantError
 from optquant.optim.groups import ParamGroups
+from optquant.ranges import Positive
 
 ENTRY_POINT_GROUP = "optquant.optimizers"
 
@@ -129,7 +130,7 @@ class PluginConfig:
     """A plugin optimizer: its name (see the module docstring) and peak lr (nan = the plugin's default)."""
 
     name: str
-    lr: float = math.nan
+    lr: Positive = math.nan
 
     def __post_init__(self) -> None:
         if math.isnan(self.lr):

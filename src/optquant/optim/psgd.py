@@ -35,7 +35,7 @@ import torch.backends.opt_einsum as torch_opt_einsum
 from pytorch_optimizer import Kron as _LibKron
 
 from optquant.optim.groups import ParamGroups, closure_loss
-from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, PROBABILITY, UNIT, Range
+from optquant.ranges import Count, NonNegative, Positive, Probability, Seed, Unit
 
 _DTYPE_KEYS = ("mu_dtype", "precondition_dtype")
 
@@ -128,24 +128,19 @@ class PSGDConfig:
     """Defaults: the authors' call; lr and momentum are their CLI defaults (1e-3, 0.9), = the library's."""
 
     name: Literal["psgd"] = "psgd"
-    lr: float = 1e-3
-    momentum: float = 0.9
-    weight_decay: float = 0.0  # decoupled
-    max_precondition_dim: int = 12288  # Kron's max_size_triangular; 8192 in the authors' June-2025 code
-    min_ndim_triangular: int = 2  # vectors get diagonal preconditioners
+    lr: Positive = 1e-3
+    momentum: Unit = 0.9
+    weight_decay: NonNegative = 0.0  # decoupled
+    max_precondition_dim: Count = 12288  # Kron's max_size_triangular; 8192 in the authors' June-2025 code
+    min_ndim_triangular: Count = 2  # vectors get diagonal preconditioners
     memory_save_mode: Literal["none", "one_diag", "smart_one_diag", "all_diag"] = "none"
-    update_prob: float | None = None  # None: the library's schedule above; a number: fixed probability
-    precondition_lr: float = 0.1
-    balance_prob: float = 0.01
+    update_prob: Probability | None = None  # None: the library's schedule above; a number: fixed probability
+    precondition_lr: Positive = 0.1
+    balance_prob: Probability = 0.01
     momentum_into_precondition_update: bool = True
-    seed: int = 0  # of the optimizer's private RNG stream
+    seed: Seed = 0  # of the optimizer's private RNG stream
 
     LEGACY_NAMES: ClassVar[dict[str, str]] = {"max_precondition_dim": "max_size_triangular"}  # in run ids
-    RANGES: ClassVar[dict[str, Range]] = {
-        "momentum": UNIT, "weight_decay": NONNEG, "max_precondition_dim": ONE_UP, "min_ndim_triangular": ONE_UP,
-        "update_prob": PROBABILITY, "precondition_lr": POSITIVE, "balance_prob": PROBABILITY,
-        "seed": (0, 2**31 - 1, True, True),  # numpy seeds must fit 32 bits
-    }
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """pytorch_optimizer.Kron (`initialize_q_expressions`): a momentum buffer, and per dim a dense n×n

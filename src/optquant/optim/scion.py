@@ -32,7 +32,7 @@ from pytorch_optimizer.optimizer.scion import LMONorm, Norm, Spectral
 
 from optquant.optim.groups import ParamGroups
 from optquant.optim.newton_schulz import DTYPES, newton_schulz, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
-from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, PROBABILITY, Range
+from optquant.ranges import Count, NonNegative, Positive, Probability
 
 GAIN_SIGN = 8  # the authors' norm_type for the vector group
 
@@ -101,26 +101,22 @@ class ScionConfig:
     (lr 2⁻¹² at radius 50, folded into lr because the authors use scale 1)."""
 
     name: Literal["scion"] = "scion"
-    lr: float = 50 * 2**-12  # hidden matrices (the swept lr)
-    momentum: float = 0.1  # Scion's α = 1 − β, the authors' 1 − 0.9
-    embed_lr: float = 1.0  # the authors' fixed step sizes, used while the matching ratio is 0
-    vector_lr: float = 3e-3
-    embed_lr_ratio: float = 0.0  # > 0: the embedding's step size is embed_lr_ratio × lr (tied to the LR search)
-    vector_lr_ratio: float = 0.0  # > 0: the vectors' step size is vector_lr_ratio × lr
+    lr: Positive = 50 * 2**-12  # hidden matrices (the swept lr)
+    momentum: Probability = 0.1  # Scion's α = 1 − β, the authors' 1 − 0.9
+    embed_lr: Positive = 1.0  # the authors' fixed step sizes, used while the matching ratio is 0
+    vector_lr: Positive = 3e-3
+    embed_lr_ratio: NonNegative = 0.0  # > 0: the embedding's step size is embed_lr_ratio × lr (tied to the LR search)
+    vector_lr_ratio: NonNegative = 0.0  # > 0: the vectors' step size is vector_lr_ratio × lr
     vector_lmo: Literal["sign", "identity", "rms"] = "sign"
-    weight_decay: float = 0.0  # decoupled
+    weight_decay: NonNegative = 0.0  # decoupled
     constraint: bool = False  # True: Frank–Wolfe W ← (1−lr)·W − lr·LMO(d), the constrained variant
-    scale: float = 1.0  # radius multiplying every LMO
-    ns_steps: int = 5
+    scale: Positive = 1.0  # radius multiplying every LMO
+    ns_steps: Count = 5
     ns_dtype: Literal["auto", "bf16", "fp32"] = "auto"  # Newton–Schulz; bf16 = the library's; auto = as precision
 
     # group step sizes a study can tie to lr and search: label -> (fixed field, ratio field)
     GROUP_LRS: ClassVar[dict[str, tuple[str, str]]] = {"embedding": ("embed_lr", "embed_lr_ratio"),
                                                         "vectors": ("vector_lr", "vector_lr_ratio")}
-    RANGES: ClassVar[dict[str, Range]] = {
-        "momentum": PROBABILITY, "embed_lr": POSITIVE, "vector_lr": POSITIVE, "embed_lr_ratio": NONNEG,
-        "vector_lr_ratio": NONNEG, "weight_decay": NONNEG, "scale": POSITIVE, "ns_steps": ONE_UP,
-    }
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """pytorch_optimizer.SCION's one momentum buffer `d` per parameter, like the parameter."""

@@ -41,14 +41,15 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
+from msgspec import Meta
 from torch import Tensor
 
 from optquant.errors import OptquantError
 from optquant.optim.groups import ParamGroups, closure_loss, dense_params
-from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, UNIT, Range
+from optquant.ranges import Count, NonNegative, Positive, Unit
 
 log = logging.getLogger(__name__)
 MAX_FAILED_ROOTS = 3  # DistributedShampoo's num_tolerated_failed_amortized_computations
@@ -273,23 +274,19 @@ class ShampooConfig:
     """Defaults: the authors' README example (lr 3e-3, β1 0.95, β2 0.95, ε 1e-10) and their call (§3)."""
 
     name: Literal["shampoo"] = "shampoo"
-    lr: float = 3e-3
+    lr: Positive = 3e-3
     beta1: float = 0.95  # EMA of the gradient ("filtered gradient"); the authors' --momentum
     beta2: float = 0.95  # EMA of the factors and of Adam's grafting second moment
-    eps: float = 1e-10  # εI added to the factors and Adam's ε, one value as in the authors' call
-    weight_decay: float = 0.0  # decoupled
-    momentum: float = 0.0  # heavy-ball on top of the direction; DistributedShampoo's default, unused
-    precondition_frequency: int = 20
-    start_preconditioning_step: int = -1  # -1: the precondition frequency
-    max_precondition_dim: int = 12288  # DistributedShampoo's max_preconditioner_dim; 8192 in the authors' code
+    eps: Positive = 1e-10  # εI added to the factors and Adam's ε, one value as in the authors' call
+    weight_decay: NonNegative = 0.0  # decoupled
+    momentum: Unit = 0.0  # heavy-ball on top of the direction; DistributedShampoo's default, unused
+    precondition_frequency: Count = 20
+    start_preconditioning_step: Annotated[int, Meta(ge=-1)] = -1  # -1: the precondition frequency
+    max_precondition_dim: Count = 12288  # DistributedShampoo's max_preconditioner_dim; 8192 in the authors' code
     grafting: Literal["adam", "none"] = "adam"
     precondition_1d: bool = True  # False: vectors take the grafting (Adam) step only
 
     LEGACY_NAMES: ClassVar[dict[str, str]] = {"max_precondition_dim": "max_preconditioner_dim"}  # in run ids
-    RANGES: ClassVar[dict[str, Range]] = {
-        "eps": POSITIVE, "weight_decay": NONNEG, "momentum": UNIT, "precondition_frequency": ONE_UP,
-        "start_preconditioning_step": (-1, math.inf, True, False), "max_precondition_dim": ONE_UP,
-    }
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """`Shampoo._init_state`: per block and dim an n×n factor and an n×n root (none for a squeezed 1-D

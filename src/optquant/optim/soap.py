@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from pytorch_optimizer import SOAP
 from pytorch_optimizer.optimizer.utils.shape import merge_small_dims
 
 from optquant.optim.groups import ParamGroups
-from optquant.optim.ranges import NONNEG, ONE_UP, POSITIVE, UNIT, Range
+from optquant.ranges import Count, NonNegative, Positive, Unit
 
 
 @dataclass(frozen=True)
@@ -27,21 +27,17 @@ class SOAPConfig:
     """Defaults: the authors' call and CLI defaults (β1 0.9, β2 0.95, ε 1e-8); lr is the library's 3e-3."""
 
     name: Literal["soap"] = "soap"
-    lr: float = 3e-3
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.0  # decoupled
-    precondition_frequency: int = 10
-    max_precondition_dim: int = 12288  # larger dims are left in the standard basis
-    shampoo_beta: float | None = None  # EMA of the factors; None = beta2
+    lr: Positive = 3e-3
+    beta1: Unit = 0.9
+    beta2: Unit = 0.95
+    eps: Positive = 1e-8
+    weight_decay: NonNegative = 0.0  # decoupled
+    precondition_frequency: Count = 10
+    max_precondition_dim: Count = 12288  # larger dims are left in the standard basis
+    shampoo_beta: Unit | None = None  # EMA of the factors; None = beta2
     precondition_1d: bool = False
     correct_bias: bool = True
     merge_dims: bool = False
-
-    RANGES: ClassVar[dict[str, Range]] = {"eps": POSITIVE, "weight_decay": NONNEG, "precondition_frequency": ONE_UP,
-                                          "max_precondition_dim": ONE_UP, "shampoo_beta": UNIT, "beta1": UNIT,
-                                          "beta2": UNIT}
 
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """pytorch_optimizer.SOAP (`init_pre_conditioner`, `get_orthogonal_matrix`): exp_avg and exp_avg_sq,

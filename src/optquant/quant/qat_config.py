@@ -9,6 +9,7 @@ from typing import Literal
 
 from optquant.errors import OptquantError
 from optquant.quant.primitives import OFF
+from optquant.ranges import Positive
 
 QAT_METHODS: tuple[str, ...] = ("quest", "ste", "lsq")
 
@@ -22,12 +23,10 @@ class QATConfig:
     a_bits: int = 4  # 16 = activations not quantized
     quantize_head: bool = True  # the authors' code quantizes the (tied) LM head; the embedding stays FP
     hadamard_block: int = 128  # QuEST only: largest Hadamard block; 0 = no rotation
-    trust: float | None = None  # QuEST only: None = c_b/(2^b − 1), i.e. zero gradient beyond s + Δ/2
+    trust: Positive | None = None  # QuEST only: None = c_b/(2^b − 1), i.e. zero gradient beyond s + Δ/2
     lsq_step: Literal["row", "tensor"] = "row"  # LSQ weight step per output row or per tensor
 
     def __post_init__(self) -> None:
-        if self.method not in QAT_METHODS or self.lsq_step not in ("row", "tensor"):
-            raise OptquantError(f"qat.method must be in {QAT_METHODS}, qat.lsq_step 'row' or 'tensor': {self}")
         low = 1 if self.method == "quest" else 2
         for field in ("w_bits", "a_bits"):
             bits = getattr(self, field)
@@ -35,5 +34,3 @@ class QATConfig:
                 raise OptquantError(f"qat.{field}={bits}: {self.method} takes {low}..8 bits, or 16 = off")
         if self.hadamard_block < 0 or self.hadamard_block & (self.hadamard_block - 1):
             raise OptquantError(f"qat.hadamard_block must be 0 or a power of two, got {self.hadamard_block}")
-        if self.trust is not None and not self.trust > 0:
-            raise OptquantError(f"qat.trust must be > 0 (or None for the QuEST default), got {self.trust}")

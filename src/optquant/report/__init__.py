@@ -182,11 +182,14 @@ def headline_tables(d: StudyData) -> list:
 
 
 def report_markdown(study_dir: str | Path) -> str:
-    """The headline tables (2, LR status, 3, 3c, 3b, 4, MMR/R_L, correlations, CL, 10) and the claims as markdown."""
+    """The headline tables (2, LR status, 3, 3c, 3b, 4, MMR/R_L, correlations, CL, 10), the claims, and the Robustness
+    and Bit plans tables where the study has them, as markdown."""
     d = load_study(study_dir)
     tables = headline_tables(d)
     if (d.root / "robust.parquet").is_file():  # issue 23's Robustness table, when the study ran the arm
         tables += [b for b in robust_section(d.root, d.root / "report" / "figures").blocks if isinstance(b, Table)]
+    bits = bits_section(d.root, d.root / "report" / "figures")  # issue 31's plans, where the study wrote them
+    tables += [b for b in bits.blocks if isinstance(b, Table)] if bits else []
     head = (f"## optquant study {d.spec.get('name') or d.root.name}\n\n{machine_text(d)}\n\n_{CAVEAT}_\n\n"
             f"_{d.count_note()}_\n")
     return "\n".join([head, *(to_markdown(t) for t in tables)])

@@ -9,6 +9,11 @@ training cost is the ratio of mean step times (wall clock in the study's workers
 measures it side by side). The verdict: an arm cuts damage significantly at no significant FP cost for
 an optimizer when its damage p_Holm < α with a negative mean and its final-FP-loss difference is not
 significantly positive. The figure is the Pareto view: final-model damage against final FP loss.
+
+The decay table (issue 32's `decay:FRACTION` entries) asks whether the LR decay is where the damage comes from:
+per optimizer and decay length, the final model's damage and FP loss, paired with the shortest decay that ran
+(`decay:0`: no decay, the end of the stable phase at the same budget), the plain run being its own
+train.decay_frac (study.json's settings, else TrainConfig's default).
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from optquant.files import read_parquet
+from optquant.config import TrainConfig
+from optquant.files import read_json, read_parquet
+from optquant.quant.robust_config import RECOMMENDED_ARM
 from optquant.report.figures import Plot, grid, missing, save
 from optquant.report.html import Section
 from optquant.report.paper import label
 from optquant.report.tables import Table, not_run
-from optquant.stats import ALPHA, holm, min_p, paired_test, rank_with_ties
+from optquant.stats import ALPHA, holm, min_p, paired_test, rank_with_ties, summarize
 
 ROBUST_FILE = "robust.parquet"  # study/robust.py writes it (the report does not import the study)
 GOAL = (-30.0, 1.3)  # the issue's aim: ≥ 30 % less damage at ≤ 1.3× the training cost
@@ -41,6 +48,41 @@ def seeds_needed(sd_diff: float, plain_mean: float, cells: int, cut: float = -GO
         return 0
     z = stats.norm.ppf(1 - ALPHA / (2 * cells)) + stats.norm.ppf(POWER)
     return max(math.ceil((z * sd_diff / (cut * plain_mean)) ** 2), math.floor(math.log2(2 * cells / ALPHA)) + 1)
+
+
+def seed_plan(results: pd.DataFrame, scheme: str, cells: int, sizes: int = 2) -> list[dict]:
+    """The power calculation before an arm runs, from the plain runs alone (results.parquet): per optimizer,
+    the Common-Loss damage under `scheme` at the `sizes` largest sizes, its sd over seeds pooled within size,
+    and the (size, seed) units seeds_needed gives for a 30 % cut over `cells` Holm cells, with the sd of a
+    paired difference taken as √2·sd: an arm's run as noisy as a fresh seed and sharing none of its noise
+    with the plain run of its seed (an upper bound for ema, lawa and decay, which share the trajectory)."""
+    d = results[(results["kind"] == "cl") & (results["scheme"] == scheme) & (results["metric"] == "delta_val_loss")]
+    largest = d.groupby("size")["n_params"].max().sort_values().index[-sizes:]
+    out = []
+    for opt, g in d[d["size"].isin(largest)].groupby("optimizer"):
+        by = g.groupby("size")["value"]
+        dof = int((by.count() - 1).clip(lower=0).sum())
+        sd = math.sqrt(float(((by.count() - 1) * by.var(ddof=1).fillna(0)).sum()) / dof) if dof else math.nan
+        mean = float(g["value"].mean())
+        out.append({"opt": opt, "mean": mean, "sd": sd, "units": int(by.count().sum()), "sizes": len(by),
+                    "needed": seeds_needed(math.sqrt(2) * sd, mean, cells)})
+    return out
+
+
+def seed_table(results: pd.DataFrame, scheme: str, entries: tuple[str, ...]) -> Table:
+    n_opt = results["optimizer"].nunique()
+    plan = seed_plan(results, scheme, n_opt * len(entries))
+    rows = tuple((label(c["opt"]), f"{c['mean']:.4f}", f"{c['sd']:.4f}", f"{c['sd'] / c['mean']:.2f}",
+                  f"{math.sqrt(2) * c['sd']:.4f}", str(c["units"]), str(c["needed"] or "–"),
+                  str(math.ceil(c["needed"] / c["sizes"])) if c["needed"] else "–") for c in plan)
+    caption = (f"results.parquet: the plain best-LR runs' Δ val loss under {scheme} at the Common Loss, at the "
+               f"{plan[0]['sizes'] if plan else 0} largest sizes; seed sd pooled within size. n for −30 %: "
+               "seeds_needed with the sd of a paired difference taken as √2 · seed sd (no noise shared with the "
+               f"plain run of the seed; an upper bound where the arm shares its trajectory), Holm over {n_opt} "
+               f"optimizers × {len(entries)} entries ({', '.join(entries)}), power {POWER}; seeds = n / sizes.")
+    return Table("robust-seeds", f"Seeds to resolve a 30 % damage cut after Holm ({scheme})",
+                 ("optimizer", "plain damage", "seed sd", "CV", "paired sd (√2·sd)", "units now", "n for −30 %",
+                  "seeds per size"), rows, caption)
 
 
 def _series(df: pd.DataFrame, arm: str, weights: str, scheme: str, metric: str, opt: str) -> pd.Series:
@@ -81,6 +123,10 @@ def _fmt(x: float, digits: int = 4, signed: bool = True) -> str:
     return "–" if not math.isfinite(x) else f"{x:{'+' if signed else ''}.{digits}f}"
 
 
+def _pct(x: float) -> str:
+    return "–" if not math.isfinite(x) else f"{x:+.1f} %"
+
+
 def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
     cells = _cells(df, scheme)
     cols = ("optimizer", "method", "n", "Δ damage (arm − plain) [95 % CI]", "change", "p", "p_Holm",
@@ -88,9 +134,9 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
             "n for −30 %")
     rows = tuple((label(c["opt"]), c["arm"], str(c["test"].n),
                   f"{_fmt(c['test'].mean_diff)} [{_fmt(c['test'].lo)}, {_fmt(c['test'].hi)}]",
-                  f"{_fmt(c['change'], 1)} %", f"{c['test'].p:.3g}", f"{c['test_holm']:.3g}",
+                  _pct(c['change']), f"{c['test'].p:.3g}", f"{c['test_holm']:.3g}",
                   f"{_fmt(c['fp'].mean_diff)} [{_fmt(c['fp'].lo)}, {_fmt(c['fp'].hi)}]", f"{c['fp_holm']:.3g}",
-                  f"{_fmt(c['cost'], 2, False)}×", f"{_fmt(c['rl'], 1)} %", c["reached"],
+                  f"{_fmt(c['cost'], 2, False)}×", _pct(c['rl']), c["reached"],
                   str(c["needed"] or "–")) for c in cells)
     caption = (f"{ROBUST_FILE}: Δ val loss under {scheme} at the Common Loss, paired over (size, seed) with the same "
                f"optimizer's plain best-LR run; exact sign-flip p, Holm over the {len(cells)} cells of each column "
@@ -125,9 +171,9 @@ def scheme_table(df: pd.DataFrame, schemes: list[str]) -> Table:
     per = {s: {(c["opt"], c["arm"]): c for c in _cells(df, s)} for s in schemes}
     keys = list(per[schemes[0]])
     def cell(c: dict | None) -> str:
-        return "–" if c is None else f"{_fmt(c['change'], 1)} % (p_Holm {c['test_holm']:.2g})"
+        return "–" if c is None else f"{_pct(c['change'])} (p_Holm {c['test_holm']:.2g})"
 
-    rows = tuple((opt, arm, *(cell(per[s].get((opt, arm))) for s in schemes)) for opt, arm in keys)
+    rows = tuple((label(opt), arm, *(cell(per[s].get((opt, arm))) for s in schemes)) for opt, arm in keys)
     return Table("robust-schemes", "Robustness per PTQ scheme: change in damage at the Common Loss",
                  ("optimizer", "method", *schemes), rows, "Holm within each scheme's column.")
 
@@ -138,9 +184,11 @@ def ranking_table(df: pd.DataFrame, scheme: str) -> Table:
     arms = ["none", *sorted(a for a in df["arm"].unique() if a != "none")]
     ranks = {arm: rank_with_ties({o: _series(df, arm, "cl", scheme, "delta_val_loss", o) for o in opts})
              for arm in arms}
-    plain = ranks["none"].rank
-    rows = tuple((arm, *(r.label(o) for o in opts), "–" if arm == "none" else
-                  "same" if r.rank == plain else "changed") for arm, r in ranks.items())
+    def same(r) -> str:  # on the optimizers both rank (an optimizer without units has no rank)
+        both = r.rank.keys() & ranks["none"].rank.keys()
+        return "same" if {o: r.rank[o] for o in both} == {o: ranks["none"].rank[o] for o in both} else "changed"
+
+    rows = tuple((arm, *(r.label(o) for o in opts), "–" if arm == "none" else same(r)) for arm, r in ranks.items())
     n = max(r.n_units for r in ranks.values())
     caption = (f"{ROBUST_FILE}: Δ val loss under {scheme} at the Common Loss; rank = 1 + number of optimizers "
                "significantly less damaged (paired exact sign-flip test over (size, seed) units, Holm over the "
@@ -148,6 +196,50 @@ def ranking_table(df: pd.DataFrame, scheme: str) -> Table:
                f"smallest attainable p {min_p(n):.3g}. Last column: is the row's ranking the plain runs'?")
     return Table("robust-ranking", f"PTQ damage ranking of the optimizers under each method ({scheme})",
                  ("method", *opts, "vs none"), rows, caption)
+
+
+def plain_decay(spec: dict, opt: str) -> float:
+    """The plain runs' train.decay_frac: the last one the study's `run` or the optimizer's overrides set."""
+    sets = [o.split("=", 1)[1] for o in (*spec.get("run", ()), *spec.get("per_optimizer", {}).get(opt, ()))
+            if o.startswith("train.decay_frac=")]
+    return float(sets[-1]) if sets else TrainConfig.decay_frac
+
+
+def decay_table(df: pd.DataFrame, scheme: str, spec: dict) -> Table | None:
+    """Stable vs decayed: each optimizer's final-model damage per decay length, paired with its shortest."""
+    decays = {a: float(a.split(":", 1)[1]) for a in df["arm"].unique() if a.startswith("decay:")}
+    if not decays:
+        return None
+    rows, paired = [], []  # paired: (row, damage test, FP-loss test, % change) of each non-reference row
+    for opt in sorted(df["optimizer"].unique()):
+        frac = {**decays, "none": plain_decay(spec, opt)}
+        arms = sorted(frac, key=lambda a: (frac[a], a != "none"))
+        dmg = {a: _series(df, a, "final", scheme, "delta_val_loss", opt) for a in arms}
+        fp = {a: _series(df, a, "final", scheme, "val_loss_fp", opt) for a in arms}
+        for a in arms:
+            s = summarize(dmg[a])
+            name = f"{frac[a]:g}" + (" (plain)" if a == "none" else " (stable end)" if frac[a] == 0 else "")
+            rows.append([label(opt), name, str(s.n), f"{_fmt(s.mean)} [{_fmt(s.lo)}, {_fmt(s.hi)}]", "ref.",
+                         *["–"] * 4])
+            if a != arms[0]:
+                t, base = paired_test(dmg[a], dmg[arms[0]]), float(dmg[arms[0]].mean())
+                paired.append((rows[-1], t, paired_test(fp[a], fp[arms[0]]),
+                               100 * t.mean_diff / base if base > 0 else math.nan))
+    ps = holm([t.p for _, t, _, _ in paired]) if paired else []
+    for (row, t, f, change), p in zip(paired, ps, strict=True):
+        row[4:] = [f"{_fmt(t.mean_diff)} [{_fmt(t.lo)}, {_fmt(t.hi)}]", _pct(change), f"{t.p:.3g}",
+                   f"{p:.3g}", f"{_fmt(f.mean_diff)} [{_fmt(f.lo)}, {_fmt(f.hi)}]"]
+    up = sum(p < ALPHA and t.mean_diff > 0 for (_, t, _, _), p in zip(paired, ps, strict=True))
+    cols = ("optimizer", "decay (fraction of steps)", "n", "final damage [95 % CI]", "Δ damage vs ref. [95 % CI]",
+            "change", "p", "p_Holm", "Δ final FP loss vs ref. [95 % CI]")
+    caption = (f"{ROBUST_FILE}: Δ val loss under {scheme} of the final models, per length of the WSD schedule's "
+               "LR decay (t-interval of the mean over (size, seed)). ref. = the optimizer's shortest decay; decay 0 "
+               "is the end of the stable phase at the same budget. Every other length is paired with it over "
+               "(size, seed): mean difference with its bootstrap 95 % interval, exact sign-flip p, Holm over the "
+               f"{len(paired)} paired rows; the decay raises damage significantly (p_Holm < {ALPHA}, positive) in "
+               f"{up} of them. The last column is the FP loss the decay buys (negative = lower loss).")
+    return Table("robust-decay", f"Stable vs decayed: is the LR decay where the PTQ damage comes from? ({scheme})",
+                 cols, tuple(tuple(r) for r in rows), caption)
 
 
 def fig_pareto(df: pd.DataFrame, scheme: str, out: Path) -> Plot:
@@ -177,16 +269,24 @@ def robust_section(root: Path, fig_dir: Path) -> Section:
              "(quant/robust.py), measured like the plain runs at the Common Loss. A late-QAT run is the plain "
              "run until its switch step, so where it reaches the Common Loss before the switch its CL model is "
              "the plain one (a difference of exactly 0); its final model shows what QAT changed.")
-    path = Path(root) / ROBUST_FILE
+    path, spec = Path(root) / ROBUST_FILE, _spec(Path(root))
+    results = Path(root) / "results.parquet"
+    plan = (seed_table(read_parquet(results), "w4a4-rtn", tuple(spec.get("robust") or RECOMMENDED_ARM)),) \
+        if results.is_file() else ()
     if not path.is_file():
         return Section("robust", "Robust training", intro,
-                       (not_run("robust", "Robustness", "the study has no robust arm (robust=...)"),))
+                       (not_run("robust", "Robustness", "the study has no robust arm (robust=...)"), *plan))
     df = read_parquet(path)
     schemes = list(dict.fromkeys(df.loc[df["weights"] == "cl", "scheme"]))
     if not schemes:
         return Section("robust", "Robust training", intro, (not_run("robust", "Robustness", "no CL rows"),))
     table, cells = robustness_table(df, schemes[0])
     table = Table(table.key, table.title, table.columns, table.rows, f"{table.caption} Verdict: {verdict(cells)}")
+    decay = decay_table(df, schemes[0], spec)
     return Section("robust", "Robust training", intro,
-                   (table, scheme_table(df, schemes), ranking_table(df, schemes[0]),
-                    fig_pareto(df, schemes[0], fig_dir)))
+                   (table, *filter(None, [decay]), scheme_table(df, schemes), ranking_table(df, schemes[0]),
+                    *plan, fig_pareto(df, schemes[0], fig_dir)))
+
+
+def _spec(root: Path) -> dict:
+    return (read_json(root / "study.json") if (root / "study.json").is_file() else {}).get("spec", {})

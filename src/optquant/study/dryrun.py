@@ -6,9 +6,11 @@ evaluation before the crossing, so it is costed as `train.eval_every` steps plus
 every `cl_eval_every` steps (an upper bound: it stops at the crossing). PTQ and analysis jobs are a few
 forward passes over evaluation batches and are left out of the GPU-hours (well under 1 % of them at the
 paper's budget). A QAT run is costed as its FP twin: QuEST's quantizers are elementwise work outside
-the 6·N·D count. The data lines give per size the tokens a run draws, the corpus's training tokens (a
-prepared corpus's manifest, or the embedded corpus's tokens) and the epochs; `check_study_epochs` is the
-study's refusal of a size past `data.max_epochs`.
+the 6·N·D count; so is a robust-arm run (the `robust` entries: each a full-budget run of every seed's
+best LR; a penalty's extra forward passes and a gain cap's spectral norms are outside the count too,
+benchmarks/robust.py measures them). The data lines give per size the tokens a run draws, the corpus's
+training tokens (a prepared corpus's manifest, or the embedded corpus's tokens) and the epochs;
+`check_study_epochs` is the study's refusal of a size past `data.max_epochs`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def stages(spec: StudySpec) -> list[Stage]:
     seeds = {k: n_seeds - 1 for k in pairs}
     cl = {k: n_seeds for k in pairs}
     qat = {k: n_seeds * len(spec.qat_bits) for k in pairs}
+    robust = {k: n_seeds * len(spec.robust) for k in pairs}
     fp_runs = sum(grid.values()) + sum(ext.values()) + sum(refine.values()) + sum(seeds.values()) + sum(again.values())
     ptq = sum(cl.values()) * len(spec.ptq_schemes) + fp_runs * len(spec.sweep_ptq_schemes)
     out = [
@@ -59,6 +62,10 @@ def stages(spec: StudySpec) -> list[Stage]:
         Stage("ptq + analysis (CL models, FP runs)", ptq, {}),
         Stage("outliers of every FP run", 0 if spec.sweep_ptq_schemes else fp_runs, {}),
         Stage("qat", sum(qat.values()), qat),
+        Stage("robust arm (every entry × seed, full budget)", sum(robust.values()), robust),
+        # every scheme on each robust CL model, the first on every robust and plain final model
+        Stage("robust ptq (≤ bound)", sum(robust.values()) * (len(spec.ptq_schemes) + 1)
+              + bool(spec.robust) * sum(cl.values()), {}),
     ]
     return [s for s in out if s.jobs]
 

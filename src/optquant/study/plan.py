@@ -19,7 +19,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable, Hashable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +215,28 @@ def ptq_stage(study: Study, cl_paths: dict[tuple, Path], found: dict[Key, LRSear
     return study.run("ptq + analysis", jobs)
 
 
+def bits_stage(study: Study, cl_paths: dict[tuple, Path]) -> None:
+    """Issue 31's report section: each CL model's bit plan at +0.5 bits over W4 (the decomposition's score, one
+    ABC walk; choices 4,8) under the first PTQ scheme without its rotation, written atomically to
+    STUDY/bits/<run id>.json with its (size, optimizer, seed) for report/bit_plans.py.
+    A plan already there is kept: a resumed study computes only the missing ones. Runs in the study's process:
+    a walk costs about one PTQ job's analysis."""
+    from optquant.ptq_stage import LoadedRun, model_bits
+    from optquant.report.bit_plans import BITS_DIR
+
+    todo = {k: p for k, p in cl_paths.items() if not (study.root / BITS_DIR / f"{p.name}.json").exists()}
+    if not study.spec.ptq_schemes or not todo:
+        return
+    study.emit(event="stage", stage="bit plans", jobs=0)
+    # unrotated: a Hadamard rotation wraps o_proj/down_proj, whose names a plan could then not name
+    qcfg = replace(scheme_config(study.spec.ptq_schemes[0]), rotation="none")
+    acfg = AnalysisConfig(weights="cl")
+    for (opt, size, seed), path in sorted(todo.items(), key=lambda kv: str(kv[0])):
+        record = model_bits(LoadedRun(path, "cl"), qcfg, acfg, 4.5, (4, 8))
+        run = {"run": path.name, "size": size, "optimizer": opt, "seed": seed}
+        atomic_write_json(study.root / BITS_DIR / f"{path.name}.json", record | run)
+
+
 def mc_items(spec: StudySpec) -> int:
     """Items of the built-in multiple-choice task per CL model (none when lm-eval tasks score them)."""
     return 0 if spec.eval.tasks else 200 if spec.name != "smoke" else 20
@@ -285,6 +307,7 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
         warn_unconverged(study, found)
         thresholds, cl_paths = cl_stage(study, found)
         ptq_stage(study, cl_paths, found)
+        bits_stage(study, cl_paths)
         qat = qat_stage(study, found) if spec.qat_bits else {}
         if spec.robust:
             robust_stage(study, found, thresholds, cl_paths)
