@@ -60,9 +60,10 @@ def damage(forward, ev: torch.Tensor, tmp: Path) -> dict[str, float]:
 
 def ours(args, calib: torch.Tensor, ev: torch.Tensor) -> dict:
     from optquant.hf import load_hf
+    from optquant.hf.lazy import materialize_
     from optquant.quant.ptq import PTQConfig, quantize_
 
-    model = load_hf(args.model, seq_len=calib.shape[1])
+    model = materialize_(load_hf(args.model, seq_len=calib.shape[1], lazy=True))  # as `ptq --hf` loads it
     fp_logits(model, ev, args.tmp)
     cfg = PTQConfig(method="gptq", a_bits=16, w_group_size=128, grid="full", act_order=True, n_calib=len(calib))
     t, c = time.perf_counter(), time.process_time()
