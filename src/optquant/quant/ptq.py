@@ -47,7 +47,8 @@ from optquant.quant.primitives import FORMATS, GRIDS, OFF, Format, Grid, QuantSp
 log = logging.getLogger(__name__)
 
 GPTQ_BLOCK_SIZE = 128  # lazy-batch width: a speed knob only (exact arithmetic gives the same result)
-_CALIB_BATCH = 8  # calibration sequences per forward when calib is one (N, T) tensor
+_CALIB_BATCH = 8  # calibration sequences per forward when calib is one (N, T) tensor, at most
+_CALIB_TOKENS = 2048  # ... and at most this many tokens per forward (one at least): an MLP's activations bounded
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ def quantized_copy(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | 
 
 def _calib_batches(calib: Tensor | Iterable, n: int, device: torch.device) -> list[Tensor]:
     if isinstance(calib, Tensor):
-        calib = calib[:n].split(_CALIB_BATCH)
+        calib = calib[:n].split(max(1, min(_CALIB_BATCH, _CALIB_TOKENS // max(1, calib[0].numel()))))
     batches, seen = [], 0
     for item in calib:
         x = item[0] if isinstance(item, tuple | list) else item
