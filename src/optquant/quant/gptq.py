@@ -94,20 +94,25 @@ def gptq_quantize(
     if H.shape != (W.shape[1], W.shape[1]):
         raise OptquantError(f"GPTQ: Hessian {tuple(H.shape)} does not match weight {tuple(W.shape)}")
     dtype, work = W.dtype, torch.float64 if W.dtype == torch.float64 else torch.float32
-    Wt, H = W.detach().to(work).T.clone(), H.to(work).clone()  # Wt (in, out): row j = column j of W
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
+    Wt, H = W.detach().to(work).T.clone(), H.to(work)  # Wt (in, out): row j = column j of W
+    diag = torch.diag(H).clone()
+    dead = diag == 0
+    diag[dead] = 1.0  # a dead input's H_jj, as below
+    perm = torch.argsort(diag, descending=True, stable=True) if act_order else None
+    # one working copy of H (the caller's stays as it was), permuted in one gather: a 0.5B model's down_proj
+    # Hessian is 4864² (95 MB), and with the factor's own (inverse_hessian_factor) three are alive at most
+    H = H.clone() if perm is None else H[perm[:, None], perm]
+    H.diagonal()[dead if perm is None else dead[perm]] = 1.0
     Wt[dead] = 0.0
     amax = Wt.abs().amax() if spec.format == "nvfp4" else None
     dynamic = spec.block > 0 and not act_order
     scale, zero, col_group = _static_params(Wt.T, spec, amax)
     scale, zero = scale.T.contiguous(), zero.T.contiguous()  # (groups, out): a column's scales are one row
-    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
     if perm is not None:
-        Wt, H, col_group = Wt[perm], H[perm][:, perm], col_group[perm]
+        Wt, col_group = Wt[perm], col_group[perm]
     col_group = col_group.tolist()
     U = inverse_hessian_factor(H, damp)
-    del H  # the 4864² Hessian of a 0.5B model's down_proj is 95 MB: at most two such copies at a time
+    del H
     Qt, threads = torch.empty_like(Wt), torch.get_num_threads()
     torch.set_num_threads(1)  # the loop's ops are too small to share: a second thread's sync costs 5x (issue 33)
     try:

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 GPTQ_BLOCK_SIZE = 128  # lazy-batch width: a speed knob only (exact arithmetic gives the same result)
 _CALIB_BATCH = 8  # calibration sequences per forward when calib is one (N, T) tensor, at most
-_CALIB_TOKENS = 2048  # ... and at most this many tokens per forward (one at least): an MLP's activations bounded
+_CALIB_TOKENS = 1024  # ... and at most this many tokens per forward (one at least): an MLP's activations bounded
 
 
 @dataclass(frozen=True)
