@@ -12,13 +12,21 @@ Calibration: the first N×T ids of `--tokens` as N windows of T (`--windows 64x1
 
     python benchmarks/gptq_vs_llmc.py --side ours --model DIR --tokens t.npy --eval e.npy --windows 64x128
     /work/venvs/llmc/bin/python benchmarks/gptq_vs_llmc.py --side llmc --model DIR ...
+
+`--side both` (the default) runs the two one after the other as child processes (ours with this interpreter,
+llm-compressor's with `--llmc-python`) and prints a table: per side the quantization's wall and CPU seconds, the
+child's whole CPU seconds and peak RSS (from `os.wait4`: the kernel's account of that child alone), the damage,
+and ours/llmc ratios. Under load wall time says little: compare CPU seconds and peak RSS.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -59,10 +67,13 @@ def damage(forward, ev: torch.Tensor, tmp: Path) -> dict[str, float]:
 
 
 def ours(args, calib: torch.Tensor, ev: torch.Tensor) -> dict:
+    from optquant.device import return_freed_memory
     from optquant.hf import load_hf
+    from optquant.hf.lazy import materialize_
     from optquant.quant.ptq import PTQConfig, quantize_
 
-    model = load_hf(args.model, seq_len=calib.shape[1])
+    return_freed_memory()  # as the CLI's --hf commands do
+    model = materialize_(load_hf(args.model, seq_len=calib.shape[1], lazy=True))  # as `ptq --hf` loads it
     fp_logits(model, ev, args.tmp)
     cfg = PTQConfig(method="gptq", a_bits=16, w_group_size=128, grid="full", act_order=True, n_calib=len(calib))
     t, c = time.perf_counter(), time.process_time()
@@ -97,9 +108,30 @@ def _tokenizer(transformers):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<unk>", pad_token="<unk>")
 
 
+def child(python: str, side: str, argv: list[str]) -> dict:
+    """Run one side as a child process; its JSON line plus the kernel's CPU seconds and peak RSS of it."""
+    proc = subprocess.Popen([python, __file__, "--side", side, *argv], stdout=subprocess.PIPE, text=True)
+    out = proc.stdout.read()
+    _, status, use = os.wait4(proc.pid, 0)
+    if status:
+        raise SystemExit(f"{side}: exit status {status}")
+    line = next(x for x in reversed(out.splitlines()) if x.startswith("{"))
+    return json.loads(line) | {"proc_cpu_s": use.ru_utime + use.ru_stime, "proc_peak_gib": use.ru_maxrss / 2**20}
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["gptq_s", "gptq_cpu_s", "proc_cpu_s", "proc_peak_gib", "peak_gb", "logits_rel_err", "delta_ce"]
+    lines = ["| side | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
+    lines += [f"| {r['side']} | " + " | ".join(f"{r[c]:.4g}" for c in cols) + " |" for r in rows]
+    ours, llmc = rows
+    lines.append("| ours/llmc | " + " | ".join(f"{ours[c] / llmc[c]:.3g}" if llmc[c] else "–" for c in cols) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--side", choices=["ours", "llmc"], required=True)
+    p.add_argument("--side", choices=["ours", "llmc", "both"], default="both")
+    p.add_argument("--llmc-python", default="/work/venvs/llmc/bin/python", help="an interpreter with llmcompressor")
     p.add_argument("--model", required=True)
     p.add_argument("--tokens", required=True, help="calibration ids (.npy)")
     p.add_argument("--eval", required=True, help="evaluation ids (.npy), 8 windows of 128 are used")
@@ -107,6 +139,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tmp", type=Path, required=True, help="a scratch directory for the FP logits")
     args = p.parse_args()
+    if args.side == "both":
+        argv = [a for a in sys.argv[1:] if a not in ("--side", "both")]
+        print(table([child(sys.executable, "ours", argv), child(args.llmc_python, "llmc", argv)]))
+        return
     args.tmp.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     calib, ev = windows(args.tokens, args.windows), windows(args.eval, "8x128")

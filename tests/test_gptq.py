@@ -3,10 +3,10 @@
 Strategy: (1) against an independent reference written here, the original unbatched GPTQ/OBS form
 (full inverse Hessian, Schur-complement downdate after every column, no Cholesky, no lazy batches) in
 float64, and for groups smaller than a block, the IST-DASLab blocked form with each group's scale taken
-from the weights as of the block's start; (2) the closed form H ∝ I ⇒ no error feedback ⇒ GPTQ = RTN
-bit for bit; (3) on correlated inputs with outlier channels the layer error is below RTN's, per channel
-and with groups, with and without act_order; (4) outputs lie on the quantization grid; (5) Hessian
-accumulation and dead inputs.
+from the weights as of the block's start: GPTQ in fp32 within rare near-ties, in fp64 to 1e-5; (2) the
+closed form H ∝ I ⇒ no error feedback ⇒ GPTQ = RTN bit for bit; (3) on correlated inputs with outlier
+channels the layer error is below RTN's, per channel and with groups, with and without act_order; (4)
+outputs lie on the quantization grid; (5) Hessian accumulation and dead inputs.
 """
 
 import pytest
@@ -60,6 +60,17 @@ def test_matches_unbatched_reference(block_size):
     assert layer_error(X, W, Q) == pytest.approx(layer_error(X, W, Q_ref), rel=0.02)
 
 
+@pytest.mark.parametrize("block_size", [128, 7, 1])
+def test_blocked_equals_column_by_column_in_fp64(block_size):
+    """In fp64 (no near-tie rounds the other way) the lazy-batch loop on Wᵀ is the unbatched OBS form to 1e-5:
+    blocks of 128 (one block), 7 (lazy updates across 7 blocks) and 1 (every update immediate)."""
+    W, X, H = _layer(24, 48, 512)
+    spec = QuantSpec(4, "sym", "channel")
+    Q = gptq_quantize(W.double(), H.double(), spec, block_size=block_size)
+    assert Q.dtype == torch.float64
+    torch.testing.assert_close(Q, gptq_reference(W, H, spec), rtol=0, atol=1e-5)
+
+
 def gptq_grouped_reference(W, H, spec, block_size, damp=0.01):
     """IST-DASLab's `fasterquant(groupsize=g)` in float64: lazy blocks of `block_size` columns, updates
     inside a block go to its copy W1, and a group's scale comes from the full W (so from the weights as
@@ -91,6 +102,15 @@ def test_small_groups_match_blocked_reference(spec):
     mismatch = ((Q - Q_ref).abs() > 1e-6).float().mean().item()
     assert mismatch < 0.01  # scales from the in-block updated columns instead: 54 % / 76 % differ
     assert layer_error(X, W, Q) == pytest.approx(layer_error(X, W, Q_ref), rel=0.02)
+
+
+def test_grouped_blocked_equals_reference_in_fp64():
+    """Groups of 16 in blocks of 32 and of 5 (a group's scale from W as of its block's start), in fp64: to 1e-5."""
+    W, X, H = _layer(24, 96, 512)
+    spec = QuantSpec(4, "sym", "group", 16)
+    for block_size in (32, 5):
+        Q = gptq_quantize(W.double(), H.double(), spec, block_size=block_size)
+        torch.testing.assert_close(Q, gptq_grouped_reference(W, H, spec, block_size), rtol=0, atol=1e-5)
 
 
 SPECS_FOR_IDENTITY = [

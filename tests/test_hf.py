@@ -298,6 +298,11 @@ def test_lazy_loading_gives_the_resident_numbers(family, tmp_path):
         got, want = (propagation_of(m, qcfg, batches, cfg, calib) for m in (lazy, whole))
         assert repr(got) == repr(want)  # every float equal (repr: nan too)
     assert all(p.is_meta for sub in lazy.sublayers() for p in sub.parameters())
+    from optquant.hf.lazy import materialize_  # ptq --hf's load: read for good, the same model
+
+    held = materialize_(lazy)
+    assert not any(p.is_meta for p in held.parameters()) and not hasattr(held.blocks[0].attn, "_lazy_weights")
+    assert torch.equal(held(batches[0]), whole(batches[0]))
     (tmp_path / "m" / "model.safetensors.index.json").write_text("{}")
     with pytest.raises(OptquantError, match="not a safetensors index"):
         load_hf(tmp_path / "m", lazy=True)

@@ -242,3 +242,34 @@ def test_block_sequential_gptq_equals_the_whole_model_pass(arch, act_order, head
     for (name, a), (_, b) in zip(layers, old_layers, strict=True):
         torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=1e-6, msg=name)
         assert a.act == b.act
+
+
+def test_chain_gptq_runs_each_linear_about_twice_and_frees_the_fp_ones(monkeypatch):
+    """Over cached sublayer inputs, a linear runs in FP on one calibration batch at most before it is quantized
+    (a group's pass stops at its input once the first batch found the group; on all n it did), and when a layer
+    is solved the FP linears replaced in earlier sublayers are already freed (no list of the model's linears is
+    held: the 0.5B model held both copies, issue 33)."""
+    import gc
+    import weakref
+
+    import optquant.quant.ptq as ptq
+
+    model, _ = _lm(arch="llama")
+    n, calls = 4, {}
+    for name, lin in linear_layers(model):
+        lin.register_forward_hook(lambda m, a, o, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    fp = {name: weakref.ref(lin) for name, lin in linear_layers(model)}
+    alive_at_solve = []
+    solve = ptq.gptq_quantize
+
+    def checked(W, H, spec, **kw):
+        gc.collect()
+        done = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+        alive = {n.rsplit(".inner.", 1)[0] for n in done if fp[n]() is not None}
+        alive_at_solve.extend([alive] if len(alive) > 1 else [])  # only the current sublayer's are held
+        return solve(W, H, spec, **kw)
+
+    monkeypatch.setattr(ptq, "gptq_quantize", checked)
+    quantize_(model, PTQConfig(method="gptq", a_bits=16, n_calib=8 * n), torch.randint(0, 256, (8 * n, 32)))
+    assert _quantized_names(model) == set(fp) - {"lm_head"} and not alive_at_solve
+    assert max(calls.values()) == 1  # the FP linears' own forwards: each group's first member ran on all n batches

@@ -124,6 +124,21 @@ def load_lazy(path: Path, dtype: str, seq_len: int):
     return model.eval()
 
 
+def materialize_(model: nn.Module) -> nn.Module:
+    """Read every lazily loaded sublayer of `model` for good (its handles dropped), each tensor copied out of the
+    file's mapping: a weight replaced later (PTQ's quantized linears) gives its memory back, which a mapping held
+    by the tensors left (transformers' whole-file one, or a sublayer's biases) would not."""
+    for sub in model.sublayers():
+        lazy = sub.__dict__.pop("_lazy_weights", None)
+        if lazy is not None:
+            lazy.load_(sub, next(model.embed.parameters()).device)
+            for m in lazy.parts:
+                m.__dict__.pop("_lazy_weights", None)
+            for p in sub.parameters():
+                p.data = p.data.clone()  # the mapping goes with the last view of it: one sublayer at a time
+    return model
+
+
 class _Group:
     """The lazy weights of a residual sublayer: those of its inner module and of its norm."""
 

@@ -136,7 +136,10 @@ def default_out(path: Path) -> Path:
 
 
 def hf_damage(src: HFSource, qcfg: PTQConfig, acfg: AnalysisConfig, out: Path) -> dict[str, Any]:
-    cfg, model, data = _setup(src, acfg)
+    from optquant.hf.lazy import materialize_
+
+    cfg, model, data = _setup(src, acfg, lazy=True)  # read whole, but so that each quantized linear frees its FP one
+    materialize_(model)
     return model_damage(LoadedRun.of(cfg, model, data, owned=True), qcfg, acfg, Path(out) / qcfg.name)
 
 

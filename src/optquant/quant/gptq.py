@@ -41,28 +41,29 @@ log = logging.getLogger(__name__)
 def accumulate_hessian(H: Tensor | None, n: int, x: Tensor) -> tuple[Tensor, int]:
     """Running H = 2/N · Σ x xᵀ over the rows of x (…, in), as the reference's `add_batch`.
 
-    Returns the updated (H, N); start with (None, 0).
+    Returns the updated (H, N), H updated in place (no temporaries of H's size); start with (None, 0).
     """
     x = x.reshape(-1, x.shape[-1]).float()
     m = x.shape[0]
     if H is None:
         H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
-    H = H * (n / (n + m)) + x.T @ x * (2.0 / (n + m))
-    return H, n + m
+    return H.mul_(n / (n + m)).addmm_(x.T, x, alpha=2.0 / (n + m)), n + m
 
 
 def inverse_hessian_factor(H: Tensor, damp: float) -> Tensor:
     """Upper Cholesky factor U of (H + λ·mean(diag H)·I)⁻¹. λ grows ×10 (≤ 4 times) if H is not PD."""
     mean_diag = torch.diag(H).mean()
-    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    A = torch.empty_like(H)  # H + λ·mean·I, the identity never built; L, H⁻¹ and U each overwrite it in turn
     for attempt in range(5):
-        L, info = torch.linalg.cholesky_ex(H + damp * 10**attempt * mean_diag * eye)
+        A.copy_(H).diagonal().add_(damp * 10**attempt * mean_diag)
+        _, info = torch.linalg.cholesky_ex(A, out=(A, torch.empty((), dtype=torch.int32)))
         if info == 0:
             if attempt:
                 log.warning("GPTQ: Hessian not positive definite; damping raised to %g", damp * 10**attempt)
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            torch.cholesky_inverse(A, out=A)
+            _, info = torch.linalg.cholesky_ex(A, upper=True, out=(A, torch.empty((), dtype=torch.int32)))
             if info == 0:
-                return U
+                return A
     raise OptquantError("GPTQ: the Hessian stays singular after damping; use more calibration data")
 
 
@@ -87,45 +88,60 @@ def gptq_quantize(
     block_size: int = 128,
     act_order: bool = False,
 ) -> Tensor:
-    """GPTQ-quantized (dequantized, same dtype as W) copy of W (out, in) given H (in, in)."""
+    """GPTQ-quantized (dequantized, same dtype as W) copy of W (out, in) given H (in, in); computed in fp64 for an
+    fp64 W, else fp32. The work is on Wᵀ: each column of W is a contiguous row, its update within a block a rank-1
+    `addr_` and the lazy batch update one `addmm_`, so the column loop runs a few small ops per column."""
     if H.shape != (W.shape[1], W.shape[1]):
         raise OptquantError(f"GPTQ: Hessian {tuple(H.shape)} does not match weight {tuple(W.shape)}")
-    dtype = W.dtype
-    W, H = W.detach().float().clone(), H.float().clone()
-    cols = W.shape[1]
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-    amax = W.abs().amax() if spec.format == "nvfp4" else None
+    dtype, work = W.dtype, torch.float64 if W.dtype == torch.float64 else torch.float32
+    Wt, H = W.detach().to(work).T.clone(), H.to(work)  # Wt (in, out): row j = column j of W
+    diag = torch.diag(H).clone()
+    dead = diag == 0
+    diag[dead] = 1.0  # a dead input's H_jj, as below
+    perm = torch.argsort(diag, descending=True, stable=True) if act_order else None
+    # one working copy of H (the caller's stays as it was), permuted in one gather: a 0.5B model's down_proj
+    # Hessian is 4864² (95 MB), and with the factor's own (inverse_hessian_factor) three are alive at most
+    H = H.clone() if perm is None else H[perm[:, None], perm]
+    H.diagonal()[dead if perm is None else dead[perm]] = 1.0
+    Wt[dead] = 0.0
+    amax = Wt.abs().amax() if spec.format == "nvfp4" else None
     dynamic = spec.block > 0 and not act_order
-    scale, zero, col_group = _static_params(W, spec, amax)
-    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
+    scale, zero, col_group = _static_params(Wt.T, spec, amax)
+    scale, zero = scale.T.contiguous(), zero.T.contiguous()  # (groups, out): a column's scales are one row
     if perm is not None:
-        W, H, col_group = W[:, perm], H[perm][:, perm], col_group[perm]
+        Wt, col_group = Wt[perm], col_group[perm]
     col_group = col_group.tolist()
     U = inverse_hessian_factor(H, damp)
-    Q = torch.zeros_like(W)
+    del H
+    Qt, threads = torch.empty_like(Wt), torch.get_num_threads()
+    torch.set_num_threads(1)  # the loop's ops are too small to share: a second thread's sync costs 5x (issue 33)
+    try:
+        _column_loop(Wt, Qt, U, scale, zero, col_group, spec, amax, dynamic, block_size)
+    finally:
+        torch.set_num_threads(threads)
+    if perm is not None:
+        Qt = Qt[torch.argsort(perm)]
+    return Qt.T.contiguous().to(dtype)
+
+
+def _column_loop(Wt, Qt, U, scale, zero, col_group, spec, amax, dynamic, block_size) -> None:
+    """Algorithm 1's loop over the columns (rows of Wt, updated in place), each quantized into Qt."""
+    cols = Wt.shape[0]
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
-        W1, U1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2]
-        Err1 = torch.zeros_like(W1)
+        W1, U1 = Wt[i1:i2].clone(), U[i1:i2, i1:i2]  # Wt[i1:i2] stays as of the block's start
+        Err1 = torch.empty_like(W1)
         for i in range(i2 - i1):
             j = i1 + i
             if dynamic and j % spec.block == 0:  # Algorithm 1 with groups: fresh scales per group
-                s, z = quant_params(W[:, j : j + spec.block], spec, amax)  # W, not W1: as of the block's start
+                s, z = (t.reshape(-1) for t in quant_params(Wt[j : j + spec.block].T, spec, amax))
             elif not dynamic:
-                g = col_group[j]
-                s, z = scale[:, g : g + 1], zero[:, g : g + 1]
-            w = W1[:, i : i + 1]
-            q = round_to_grid(w, s, z, spec)
-            Q[:, j : j + 1] = q
-            err = (w - q) / U1[i, i]
-            W1[:, i:] -= err * U1[i : i + 1, i:]
-            Err1[:, i : i + 1] = err
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # the lazy batch update
-    if perm is not None:
-        Q = Q[:, torch.argsort(perm)]
-    return Q.to(dtype)
+                s, z = scale[col_group[j]], zero[col_group[j]]
+            w = W1[i]
+            Qt[j] = q = round_to_grid(w, s, z, spec)
+            Err1[i] = err = (w - q) / U1[i, i]
+            W1[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1)
+        Wt[i2:].addmm_(U[i1:i2, i2:].T, Err1, alpha=-1)  # the lazy batch update
 
 
 def layer_error(X: Tensor, W: Tensor, Q: Tensor) -> float:

@@ -47,7 +47,8 @@ from optquant.quant.primitives import FORMATS, GRIDS, OFF, Format, Grid, QuantSp
 log = logging.getLogger(__name__)
 
 GPTQ_BLOCK_SIZE = 128  # lazy-batch width: a speed knob only (exact arithmetic gives the same result)
-_CALIB_BATCH = 8  # calibration sequences per forward when calib is one (N, T) tensor
+_CALIB_BATCH = 8  # calibration sequences per forward when calib is one (N, T) tensor, at most
+_CALIB_TOKENS = 1024  # ... and at most this many tokens per forward (one at least): an MLP's activations bounded
 
 
 @dataclass(frozen=True)
@@ -174,13 +175,15 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
 
         rotate_model_(model)
     layers = quantized_layers(model, cfg)
-    check_plan(cfg, [n for n, _ in layers])
-    if cfg.method == "gptq" and any(cfg.for_module(n).w_bits < OFF for n, _ in layers):
-        _gptq_(model, layers, cfg, calib)
+    names = [n for n, _ in layers]
+    check_plan(cfg, names)
+    if cfg.method == "gptq" and any(cfg.for_module(n).w_bits < OFF for n in names):
+        del layers  # each FP linear is freed once its quantized one replaces it: no second copy of the model
+        _gptq_(model, names, cfg, calib)
     else:
         for name, lin in layers:
             replace_module(model, name, rtn_linear(lin, cfg.for_module(name)))
-    log.info("quantized %d linear layers with %s", len(layers), cfg.name)
+    log.info("quantized %d linear layers with %s", len(names), cfg.name)
     return model
 
 
@@ -228,7 +231,7 @@ def quantized_copy(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | 
 
 def _calib_batches(calib: Tensor | Iterable, n: int, device: torch.device) -> list[Tensor]:
     if isinstance(calib, Tensor):
-        calib = calib[:n].split(_CALIB_BATCH)
+        calib = calib[:n].split(max(1, min(_CALIB_BATCH, _CALIB_TOKENS // max(1, calib[0].numel()))))
     batches, seen = [], 0
     for item in calib:
         x = item[0] if isinstance(item, tuple | list) else item
@@ -247,11 +250,12 @@ class _Stop(Exception):
 
 
 def _capture_group(model, pending: dict[str, nn.Module], batches: list[Tensor]) -> dict[str, Tensor]:
-    """The shared Hessian of the first pending layers `model` calls, all reading the same input tensor; a
-    pass stops at the next pending layer with another input, or once every pending layer is captured."""
+    """The shared Hessian of the first pending layers `model` calls, all reading the same input tensor; the
+    first batch's pass finds them, stopping at the next pending layer with another input or once every pending
+    layer is captured; the other batches' passes stop as soon as that input arrives (the group is known)."""
     H: list = [None, 0]  # the group's running (H, N)
     group: list[str] = []
-    state: dict[str, Tensor | None] = {"input": None}
+    state: dict[str, Tensor | None] = {"input": None, "known": False}
 
     def hook_for(name: str):
         def hook(module: nn.Module, args: tuple) -> None:
@@ -259,6 +263,8 @@ def _capture_group(model, pending: dict[str, nn.Module], batches: list[Tensor]) 
             if state["input"] is None:
                 state["input"] = x
                 H[:] = accumulate_hessian(*H, x)
+                if state["known"]:
+                    raise _Stop
             elif x is not state["input"]:
                 raise _Stop
             if name not in group:
@@ -276,6 +282,7 @@ def _capture_group(model, pending: dict[str, nn.Module], batches: list[Tensor]) 
                 model(batch)
             except _Stop:
                 pass
+            state["known"] = bool(group)
     finally:
         for h in handles:
             h.remove()
@@ -353,15 +360,17 @@ def quantize_unit_(root: nn.Module, unit, layers: dict[str, nn.Module], cfg: PTQ
     return ys
 
 
-def _gptq_(model: nn.Module, layers: list[tuple[str, nn.Module]], cfg: PTQConfig, calib) -> None:
+def _gptq_(model: nn.Module, names: list[str], cfg: PTQConfig, calib) -> None:
     batches = _calib_batches(calib, cfg.n_calib, next(model.parameters()).device)
-    units = _chain_units(model, dict(layers))
-    if units:  # each unit's inputs cached, moved through the model once
+    units = [(unit, list(mine)) for unit, mine in _chain_units(model, {n: model.get_submodule(n) for n in names})]
+    if units:  # each unit's inputs cached, moved through the model once; its layers looked up when reached
         xs = [model.embed(b) for b in batches]
         for i, (unit, mine) in enumerate(units):
-            xs = quantize_unit_(model, unit, mine, cfg, xs, outputs=any(m for _, m in units[i + 1 :]))
+            layers = {n: model.get_submodule(n) for n in mine}
+            xs = quantize_unit_(model, unit, layers, cfg, xs, outputs=any(m for _, m in units[i + 1 :]))
+            del layers
         return
-    pending, done = dict(layers), {}
+    pending, done = {n: model.get_submodule(n) for n in names}, {}
     while pending and (hessians := _capture_group(model, pending, batches)):
         _solve_group(model, pending, hessians, cfg, done)
     _rtn_rest(model, pending, done, cfg)
