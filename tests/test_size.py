@@ -71,7 +71,8 @@ from pathlib import Path
 # type; --hf flags refused with a run, --seq-len against max_position_embeddings, a group size checked before the FP
 # pass): 17,032 merged, budget 17,040.
 # Issue 33's GPTQ pass (+41 on its branch: materialize_ reads an --hf model for good so each FP linear is freed as its
-# quantized one replaces it, the column loop on Wᵀ in one thread, forwards of ≤ 1,024 tokens): 17,075 merged, budget 17,080.
+# quantized one replaces it, the column loop on Wᵀ in one thread, forwards of ≤ 1,024 tokens): 17,075
+# merged, budget 17,080.
 BUDGET = 17_080
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
