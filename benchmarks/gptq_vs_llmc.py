@@ -11,7 +11,7 @@ installed: this file imports neither package at the top) and prints one JSON lin
 Calibration: the first N×T ids of `--tokens` as N windows of T (`--windows 64x128` or the issue's `16x512`).
 
     python benchmarks/gptq_vs_llmc.py --side ours --model DIR --tokens t.npy --eval e.npy --windows 64x128
-    /work/venvs/llmc/bin/python benchmarks/gptq_vs_llmc.py --side llmc --model DIR ...
+    LLMC_VENV/bin/python benchmarks/gptq_vs_llmc.py --side llmc --model DIR ...
 
 `--side both` (the default) runs the two one after the other as child processes (ours with this interpreter,
 llm-compressor's with `--llmc-python`) and prints a table: per side the quantization's wall and CPU seconds, the
@@ -131,7 +131,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--side", choices=["ours", "llmc", "both"], default="both")
-    p.add_argument("--llmc-python", default="/work/venvs/llmc/bin/python", help="an interpreter with llmcompressor")
+    p.add_argument("--llmc-python", help="with --side both: a Python interpreter with llmcompressor installed")
     p.add_argument("--model", required=True)
     p.add_argument("--tokens", required=True, help="calibration ids (.npy)")
     p.add_argument("--eval", required=True, help="evaluation ids (.npy), 8 windows of 128 are used")
@@ -141,6 +141,8 @@ def main() -> None:
     args = p.parse_args()
     if args.side == "both":
         argv = [a for a in sys.argv[1:] if a not in ("--side", "both")]
+        if not args.llmc_python:
+            p.error("--side both needs --llmc-python (an interpreter with llmcompressor)")
         print(table([child(sys.executable, "ours", argv), child(args.llmc_python, "llmc", argv)]))
         return
     args.tmp.mkdir(parents=True, exist_ok=True)
