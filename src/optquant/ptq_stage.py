@@ -310,7 +310,7 @@ def score_gains(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, params: d
     elif score in ("hawq", "fisher"):
         fp = model if qcfg.rotation == "none" else rotate_model_(copy.deepcopy(model))
         lins = {model_name(n): lin for n, lin in linear_layers(fp, skip=skip)}  # a rotated o_proj is o_proj
-        weights = {n: lins[n].weight for n in params}
+        weights = {n: lins[model_name(n)].weight for n in params}
         was = {n: w.requires_grad for n, w in weights.items()}
         for w in weights.values():
             w.requires_grad_(True)
