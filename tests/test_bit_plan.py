@@ -12,6 +12,7 @@ import copy
 import itertools
 import json
 import random
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -252,6 +253,30 @@ def test_the_decomposition_protects_a_sensitive_module_and_beats_uniform(nano_ru
     uniform = val_loss(quantize_(copy.deepcopy(run.model), PTQConfig()), val).loss - fp
     planned = val_loss(quantize_(copy.deepcopy(run.model), PTQConfig(plan=tuple(plan.items()))), val).loss - fp
     assert planned < uniform
+
+
+@pytest.mark.parametrize("score", ["abc", "hawq"])
+def test_a_plan_for_a_rotated_scheme_names_and_quantizes_o_proj(nano_run, score):
+    """Under gptq-had the Hadamard rotation wraps o_proj and down_proj (`Rotated`, the linear inside as `.linear`):
+    the plan still names every module by its model name, and quantizing with it puts o_proj, inside its wrapper,
+    at the planned bits: 8 where the plan says 8 (more than 4-bit levels per row), 4 elsewhere."""
+    from optquant.ptq_stage import AnalysisConfig, LoadedRun, model_bits
+    from optquant.quant.rotate import Rotated
+
+    run, qcfg = LoadedRun(nano_run, "final"), PTQConfig(method="gptq", rotation="hadamard", n_calib=8)
+    params = {n: m.weight.numel() for n, m in linear_layers(run.model)}
+    record = model_bits(run, qcfg, AnalysisConfig(calib_batches=1), 4.5, (4, 8), score)
+    assert set(record["modules"]) == set(params) and record["plan_avg_bits"] <= 4.5
+    o_proj = "blocks.0.attn.inner.o_proj"
+    plan = {m: 8 if m == o_proj else v["bits"] for m, v in record["modules"].items()}
+    plan["blocks.1.attn.inner.o_proj"] = 4
+    q = quantize_(copy.deepcopy(run.model), replace(qcfg, plan=tuple(plan.items())), run.calib(qcfg, AnalysisConfig()))
+    for name, bits in [(o_proj, 8), ("blocks.1.attn.inner.o_proj", 4)]:
+        wrapper = q.get_submodule(name)
+        assert isinstance(wrapper, Rotated) and isinstance(wrapper.linear, QuantLinear)
+        assert wrapper.linear.scheme.startswith(f"w{bits}a{bits}-gptq")
+        levels = max(len(torch.unique(row)) for row in wrapper.linear.weight)
+        assert (levels > 15) == (bits == 8) and levels <= 2**bits, (name, levels)
 
 
 def test_the_cli_writes_a_plan_that_ptq_applies(nano_run, tmp_path, capsys):

@@ -79,6 +79,12 @@ SLOW = {
     "optquant study --preset smoke --set eval.tasks=my_mc --set eval.include_path=my_tasks/",
     "optquant train --set log.to=tensorboard",
 }
+# The slow ones CI runs too (.ci/run: -m ci): the plugin study (the smoke study with Lion: every stage and the
+# report, in place of a hand-written copy of the README's smoke study) and the refit of the default study.
+IN_CI = {
+    "optquant study --preset smoke --set optimizers=adamw,examples/lion.py:make_optimizer",
+    "optquant fit studies/cpu",
+}
 
 
 def all_commands() -> list[DocCommand]:
@@ -144,6 +150,7 @@ def test_every_documented_command_is_run_or_skipped():
     texts = {c.text for c in cmds}
     stale = (set(SKIP) | SLOW) - texts
     assert not stale, f"listed but no longer in the docs: {stale}"
+    assert IN_CI <= SLOW, IN_CI - SLOW
     placeholders = [c for c in cmds if re.search(r"<[^>]+>|\[--", c.text) and c.text not in SKIP
                     and not any(p in c.text for p in SUBS)]
     assert not placeholders, f"a placeholder without a substitution in SUBS: {placeholders}"
@@ -326,7 +333,8 @@ def test_quoted_output_is_what_the_command_prints(q, workdir, monkeypatch, capsy
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cmd", [c for c in all_commands() if c.text in SLOW],
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=pytest.mark.ci) if c.text in IN_CI else c
+                                 for c in all_commands() if c.text in SLOW],
                          ids=lambda c: f"{c.file}:{c.line}:{c.text.split()[1]}")
 def test_documented_slow_command_runs(cmd, tmp_path, corpus):
     """Each in a fresh directory with examples/ beside it; `a && b` runs its commands in order there."""

@@ -292,7 +292,7 @@ def score_gains(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, params: d
     ‖Q(W) − W‖² on the calibration batches (Hutchinson, 4 Hessian-vector products per batch; the empirical
     Fisher, one gradient per sequence)."""
     from optquant.quant.bit_plan import abc_gains, fisher_traces, hessian_traces, measured_gains, perturbation_gains
-    from optquant.quant.layers import linear_layers
+    from optquant.quant.layers import linear_layers, model_name
 
     cfg, model, data = run.cfg, run.model, run.data
     skip = () if qcfg.quantize_head else ("lm_head",)
@@ -310,8 +310,8 @@ def score_gains(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, params: d
             shared_copy(fp), dataclasses.replace(walk, plan=tuple(bits.items())), run.calib(walk, acfg)), val).loss)
     elif score in ("hawq", "fisher"):
         fp = model if qcfg.rotation == "none" else rotate_model_(copy.deepcopy(model))
-        lins = dict(linear_layers(fp, skip=skip))
-        weights = {n: lins[n].weight for n in params}
+        lins = {model_name(n): lin for n, lin in linear_layers(fp, skip=skip)}  # a rotated o_proj is o_proj
+        weights = {n: lins[model_name(n)].weight for n in params}
         was = {n: w.requires_grad for n, w in weights.items()}
         for w in weights.values():
             w.requires_grad_(True)

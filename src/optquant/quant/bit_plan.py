@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from optquant.errors import OptquantError
+from optquant.quant.layers import model_name
 from optquant.quant.primitives import OFF, QuantSpec, fake_quant
 
 MAX_CELLS = 20_000_000  # knapsack table cells (modules × budget units) before the unit is coarsened
@@ -110,15 +111,15 @@ def abc_gains(rows: Iterable, linears: Iterable[str], choices: Iterable[int]) ->
     gain = [0.0 if not math.isfinite(r.G) else r.G for r in chain]
     down = [math.prod(gain[i + 1 :]) for i in range(len(chain))]  # Π_{k>ℓ} G_k
     share = {r.index: max(r.B + r.C, 0.0) * d for r, d in zip(chain, down, strict=True)}
-    own = {r.name: (r.index, max(r.B, 0.0)) for r in rows if r.norm == "tensor" and r.kind == "linear"}
-    missing = sorted(set(linears) - set(own))
+    own = {model_name(r.name): (r.index, max(r.B, 0.0)) for r in rows if r.norm == "tensor" and r.kind == "linear"}
+    missing = sorted(n for n in linears if model_name(n) not in own)
     if missing:
         raise OptquantError(f"bits: the ABC walk has no linear row for {missing[0]} (walk with granularity=linear)")
     per_module = {}
     for idx in {i for i, _ in own.values()}:
         total = sum(b for i, b in own.values() if i == idx)
         per_module |= {n: share.get(idx, 0.0) * (b / total if total else 0.0) for n, (i, b) in own.items() if i == idx}
-    return {n: {b: per_module[n] * error_fraction(choices[0], b) for b in choices} for n in linears}
+    return {n: {b: per_module[model_name(n)] * error_fraction(choices[0], b) for b in choices} for n in linears}
 
 
 def measured_gains(linears: Iterable[str], choices: Iterable[int],

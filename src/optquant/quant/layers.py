@@ -1,6 +1,7 @@
 """The linear layers quantization works on: `QuantLinear` (PTQ's fake-quantized layer), and the two
 helpers PTQ, QAT and the metrics share: `linear_layers(model, skip)` chooses the layers,
-`replace_module(model, name, new)` swaps one. Below ptq.py and qat.py, so the metrics need neither.
+`replace_module(model, name, new)` swaps one, `model_name(name)` names one as the model does. Below ptq.py and
+qat.py, so the metrics need neither.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def linear_layers(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> lis
     return [
         (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | QuantLinear) and not skipped(n)
     ]
+
+
+def model_name(name: str) -> str:
+    """A linear's name as the model has it: the linear inside a rotation's wrapper (quant/rotate.py's `Rotated`
+    before o_proj and down_proj, which holds it as `.linear`) goes by the wrapper's name. A bit plan names
+    modules so (`PTQConfig.plan`), whatever the scheme's rotation."""
+    return name.removesuffix(".linear")
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:

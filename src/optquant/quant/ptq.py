@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from optquant.errors import OptquantError
 from optquant.quant.choices import METHODS, ROTATIONS, Method, Rotation
 from optquant.quant.gptq import accumulate_hessian, gptq_quantize
-from optquant.quant.layers import QuantLinear, linear_layers, replace_module
+from optquant.quant.layers import QuantLinear, linear_layers, model_name, replace_module
 from optquant.quant.primitives import FORMATS, GRIDS, OFF, Format, Grid, QuantSpec, fake_quant
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class PTQConfig:
     damp: float = 0.01  # GPTQ: λ in H + λ·mean(diag H)·I
     act_order: bool = False  # GPTQ: columns by decreasing diag H
     n_calib: int = 128  # GPTQ: calibration sequences
-    plan: tuple[tuple[str, int], ...] = ()  # per-module bits (quant/bit_plan.py): (linear's name, bits)
+    plan: tuple[tuple[str, int], ...] = ()  # per-module bits (quant/bit_plan.py): (linear's model_name, bits)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -127,7 +127,7 @@ class PTQConfig:
     def for_module(self, name: str) -> PTQConfig:
         """The scheme of one linear: its planned bits for the weights and, when activations are quantized,
         for its inputs too (a plan's 8 turns W4A4 into W8A8 and W4A16 into W8A16); else the scheme itself."""
-        bits = dict(self.plan).get(name)
+        bits = {model_name(n): b for n, b in self.plan}.get(model_name(name))
         if bits is None:
             return self
         return replace(self, w_bits=bits, a_bits=OFF if self.a_bits >= OFF else bits, plan=())
@@ -202,8 +202,10 @@ def rtn_linear(lin: nn.Module, cfg: PTQConfig) -> QuantLinear:
 
 
 def check_plan(cfg: PTQConfig, names: list[str]) -> None:
-    """Every module a plan names must be one of the linears quantized here."""
-    unknown = sorted(set(dict(cfg.plan)) - set(names))
+    """Every module a plan names must be one of the linears quantized here (by its model_name: a rotated o_proj
+    is o_proj)."""
+    names = [model_name(n) for n in names]
+    unknown = sorted(set(map(model_name, dict(cfg.plan))) - set(names))
     if unknown:
         raise OptquantError(f"ptq.plan: module {unknown[0]!r} is not a quantized linear of this model "
                             f"({len(unknown)} such; e.g. {', '.join(names[:3])} are)")

@@ -20,7 +20,7 @@ import os
 import shutil
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -237,19 +237,16 @@ def ptq_stage(study: Study, state: State) -> None:
 
 def bits_stage(study: Study, state: State) -> None:
     """Issue 31's report section: each CL model's bit plan at +0.5 bits over W4 (the decomposition's score, one
-    ABC walk; choices 4,8) under the first PTQ scheme without its rotation, written atomically to
-    STUDY/bits/<run id>.json with its (size, optimizer, seed) for report/bit_plans.py.
-    A plan already there is kept: a resumed study computes only the missing ones. Runs in the study's process:
-    a walk costs about one PTQ job's analysis."""
+    ABC walk; choices 4,8) under the first PTQ scheme, written atomically to STUDY/bits/<run id>.json with its
+    (size, optimizer, seed) for report/bit_plans.py. A plan already there is kept: a resumed study computes only
+    the missing ones. Runs in the study's process: a walk costs about one PTQ job's analysis."""
     from optquant.ptq_stage import LoadedRun, model_bits
 
     todo = {k: p for k, p in state.cl_paths.items() if not (study.dir.bits / f"{p.name}.json").exists()}
     if not study.spec.ptq_schemes or not todo:
         return
     study.emit(event="stage", stage="bit plans", jobs=0)
-    # unrotated: a Hadamard rotation wraps o_proj/down_proj, whose names a plan could then not name
-    qcfg = replace(scheme_config(study.spec.ptq_schemes[0]), rotation="none")
-    acfg = AnalysisConfig(weights="cl")
+    qcfg, acfg = scheme_config(study.spec.ptq_schemes[0]), AnalysisConfig(weights="cl")
     for (opt, size, seed), path in sorted(todo.items(), key=lambda kv: str(kv[0])):
         record = model_bits(LoadedRun(path, "cl"), qcfg, acfg, 4.5, (4, 8))
         run = {"run": path.name, "size": size, "optimizer": opt, "seed": seed}
