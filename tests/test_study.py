@@ -38,7 +38,7 @@ def test_lr_grid_and_overrides():
     assert lr_grid(spec, "adamw") == (1e-3, 3e-3, 9e-3)
     spec = apply_study_overrides(spec, ["lrs.muon=0.01,0.02", "sizes=nano", "sweeps.muon.optim.momentum=0.9,0.95"])
     assert lr_grid(spec, "muon") == (0.01, 0.02) and spec.sizes == ("nano",)
-    assert spec.sweeps == {"muon": {"optim.momentum": ("0.9", "0.95")}}
+    assert spec.sweeps == {"muon": {"optim.momentum": (0.9, 0.95)}}  # parsed once, by the field's type
 
 
 def test_bad_study_overrides():

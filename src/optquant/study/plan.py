@@ -20,7 +20,7 @@ import os
 import shutil
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from optquant.runs import RunDir, StudyDir, read_config, read_metrics, run_dir
 from optquant.study.bracket import bracket
 from optquant.study.executor import WorkerPool, execute, threads_per_worker
 from optquant.study.jobs import Job, OutliersJob, PTQJob, Result, TrainJob
-from optquant.study.spec import StudySpec, lr_grid, repeat_seeds, run_config, search_seed
+from optquant.study.spec import StudySpec, lr_grid, repeat_seeds, robust_settings, run_config, search_seed, spec_to_dict
 from optquant.study.tuning import LRSearch, group_fields, loss_of, losses, ratio_settings, step_sizes, tune
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class Study:
 class State:
     """What the steps of `run_study` hand on to the later ones."""
 
-    swept: dict[str, tuple[str, ...]] = field(default_factory=dict)  # optimizer → its swept settings
+    swept: dict[str, dict[str, Any]] = field(default_factory=dict)  # optimizer → its swept settings
     found: dict[Key, LRSearch] = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)  # size → Common Loss
     cl_paths: dict[tuple, Path] = field(default_factory=dict)  # (optimizer, size, seed) → CL model's run
@@ -88,20 +88,20 @@ class State:
 
 def sweep_stage(study: Study, state: State) -> None:
     """The paper's sequential 1-D sweeps at the smallest size: each hyperparameter's best value is
-    kept for the next sweep and for every size: `state.swept`, per-optimizer settings (`field=value`)."""
+    kept for the next sweep and for every size: `state.swept`, per-optimizer settings (field → value)."""
     spec = study.spec
-    tuned: dict[str, tuple] = {opt: () for opt in spec.optimizers}
+    tuned: dict[str, dict[str, Any]] = {opt: {} for opt in spec.optimizers}
     for opt, params in spec.sweeps.items():
         if opt not in tuned:
             continue
         center = lr_grid(spec, opt)[len(lr_grid(spec, opt)) // 2]
         for param, values in params.items():
             cfgs = {v: run_config(spec, spec.sizes[0], opt, center, search_seed(spec.seeds),
-                                  extra=(*tuned[opt], f"{param}={v}"))
+                                  extra={**tuned[opt], param: v})
                     for v in values}
             results = study.train(f"sweep {opt} {param}", cfgs)
             best = min(values, key=lambda v: loss_of(results[v]))
-            tuned[opt] = (*tuned[opt], f"{param}={best}")
+            tuned[opt] = {**tuned[opt], param: best}
             log.info("sweep %s: %s = %s", opt, param, best)
     state.swept = tuned
 
@@ -138,7 +138,7 @@ def fp_stage(study: Study, state: State) -> None:
     warn_unconverged(study, out)
 
 
-def fp_config(spec: StudySpec, key: Key, lr: float, seed: int, sweeps: tuple[str, ...] = (),
+def fp_config(spec: StudySpec, key: Key, lr: float, seed: int, sweeps: dict[str, Any] | None = None,
               settings: dict[str, Any] | None = None) -> RunConfig:
     """An FP (or, with QAT `settings`, QAT) run of the study; every evaluation's checkpoint is kept so the
     Common-Loss stage can start from the last one before the crossing instead of replaying the run."""
@@ -285,7 +285,6 @@ def robust_stage(study: Study, state: State) -> None:
     """The robust arm (study/robust.py): each best-LR run of every seed again with each `robust` entry, with
     the size's CL threshold set; every PTQ scheme on their CL models, the first on their final models and
     the plain runs' (the plain CL models' PTQ is the PTQ stage's, read back). Writes robust.parquet."""
-    from optquant.quant.robust_config import entry_overrides
     from optquant.study.robust import robust_rows, write_robust
 
     spec, plain, cfgs, thresholds, cl_paths = study.spec, {}, {}, state.thresholds, state.cl_paths
@@ -299,7 +298,7 @@ def robust_stage(study: Study, state: State) -> None:
             settings = {**search.settings(), **cl_settings(spec, threshold, source)}
             for entry in spec.robust:
                 cfgs[(opt, size, seed, entry)] = run_config(spec, size, opt, search.best, seed, settings,
-                                                            (*search.sweeps, *entry_overrides(entry)))
+                                                            {**search.sweeps, **robust_settings(entry)})
     summaries = study.train("robust", cfgs)
     runs = {key: run_dir(study.runs, cfg) for key, cfg in cfgs.items()}
     cl_models = {key: p for key, p in runs.items() if summaries[key].get("cl_step") is not None}
@@ -452,7 +451,7 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
     with WorkerPool(spec.workers) as pool:  # started by the first batch that needs it
         study = Study(spec, Path(root), on_event, pool)
         study.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(study.dir.study, {"spec": asdict(spec), "sizes": _sizes(spec), "machine": machine(spec),
+        atomic_write_json(study.dir.study, {"spec": spec_to_dict(spec), "sizes": _sizes(spec), "machine": machine(spec),
                                             "search_seed": search_seed(spec.seeds)})
         state = State()
         for step in STEPS:

@@ -38,14 +38,14 @@ class LRSearch:
     """One (optimizer, size)'s step sizes as the study chose them: every LR tried (the first seed's summary;
     at the best LR, every seed's), the best LR and whether the search bracketed it (study/bracket.py), the mean
     final loss over the best LR's seeds, the tied groups' ratios with their searches, and each parameter
-    group's step size as built (`step_sizes`). `sweeps`: the optimizer's swept settings (`field=value`)."""
+    group's step size (`step_sizes`). `sweeps`: the optimizer's swept settings (field → value)."""
 
     lrs: dict[float, list[dict[str, Any]]]
     best: float | None
     status: str
     reason: str
     best_loss: float
-    sweeps: tuple[str, ...] = ()
+    sweeps: dict[str, Any] = field(default_factory=dict)
     ratios: dict[str, float] = field(default_factory=dict)
     ratio_search: dict[str, dict[float, float]] = field(default_factory=dict)
     ratio_status: dict[str, str] = field(default_factory=dict)
@@ -61,7 +61,7 @@ class LRSearch:
 
     def settings(self) -> dict[str, Any]:
         """What every later run of this (optimizer, size) is trained with: the tied groups' ratios (the
-        sweeps are `sweeps`, as the user wrote them)."""
+        sweeps are `sweeps`)."""
         return ratio_settings(self.ratios)
 
 
