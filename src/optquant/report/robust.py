@@ -34,7 +34,7 @@ from optquant.report.paper import label
 from optquant.report.tables import Table, not_run
 from optquant.runs import StudyDir
 from optquant.stats import ALPHA, holm, min_p, paired_test, rank_with_ties, summarize
-from optquant.study.spec import StudySpec, spec_from_dict
+from optquant.study.spec import StudySpec, setting, spec_from_dict
 
 ROBUST_FILE = StudyDir(Path()).robust.name  # the captions name it
 
@@ -204,8 +204,7 @@ def ranking_table(df: pd.DataFrame, scheme: str) -> Table:
 
 def plain_decay(spec: StudySpec | None, opt: str) -> float:
     """The plain runs' train.decay_frac: the optimizer's setting, else the study's `run`, else the default."""
-    sets = {**spec.run, **spec.per_optimizer.get(opt, {})} if spec else {}
-    return sets.get("train.decay_frac", TrainConfig.decay_frac)
+    return setting(spec, opt, "train.decay_frac", TrainConfig.decay_frac) if spec else TrainConfig.decay_frac
 
 
 def decay_table(df: pd.DataFrame, scheme: str, spec: StudySpec | None) -> Table | None:

@@ -74,6 +74,12 @@ def run_config(spec: StudySpec, size: str, opt: str, lr: float | None = None, se
     return replace(override(run_preset(size), values), name=f"{spec.name}-{size}")
 
 
+def setting(spec: StudySpec, opt: str, key: str, default: Any, swept: dict[str, Any] | None = None) -> Any:
+    """The value of dotted field `key` in `opt`'s runs as the spec sets it (a swept value, else per_optimizer,
+    else run), else `default`."""
+    return {**spec.run, **spec.per_optimizer.get(opt, {}), **(swept or {})}.get(key, default)
+
+
 def search_seed(seeds: tuple[int, ...]) -> int:
     """The seed every search runs with (the sweeps, the LR and ratio searches): the first."""
     return seeds[0]
