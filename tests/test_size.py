@@ -67,9 +67,9 @@ from pathlib import Path
 # Issue 29's table of stages (+110 on its branch: plan.STEPS, each stage's kind, label and job count, read by the dry
 # run, the ETA and validate; the steps' shared State), with the robust arm and the bit plans in the table: 16,971
 # merged, budget 16,980.
-# Issue 29's typed StudySpec (+35 on its branch: run/per_optimizer/sweeps as typed dicts parsed once, with the reader
+# Issue 29's typed StudySpec (+39 on its branch: run/per_optimizer/sweeps as typed dicts parsed once, with the reader
 # of the old study.json's k=v lists; LRSearch carrying its runs' seeds instead of results re-reading config.json):
-# 17,006, budget 17,015.
+# 17,010, budget 17,015.
 BUDGET = 17_015
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
