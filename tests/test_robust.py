@@ -459,9 +459,10 @@ def test_decay_table_pairs_each_decay_length_with_the_end_of_the_stable_phase(tm
 
     from optquant.report.paper import label
     from optquant.report.robust import decay_table, plain_decay, robust_section
+    from optquant.study.spec import StudySpec
 
     df = pd.read_parquet(Path(__file__).parent / "data" / ROBUST_SMOKE)
-    table = decay_table(df, "w4a4-rtn", {})
+    table = decay_table(df, "w4a4-rtn", None)
     opts = sorted(df["optimizer"].unique())
     assert [r[1] for r in table.rows] == ["0 (stable end)", "0.2 (plain)", "0.5"] * len(opts)
     fin = df[(df["weights"] == "final") & (df["metric"] == "delta_val_loss")]
@@ -478,10 +479,10 @@ def test_decay_table_pairs_each_decay_length_with_the_end_of_the_stable_phase(tm
             assert row[4].startswith(f"{d.mean():+.4f} [")
             assert row[5] == (f"{100 * d.mean() / base:+.1f} %" if base > 0 else "–")
     assert f"Holm over the {2 * len(opts)} paired rows" in table.caption
-    spec = {"run": ["train.decay_frac=0.7"], "per_optimizer": {opts[0]: ["train.decay_frac=0.6"]}}
-    assert plain_decay(spec, opts[0]) == 0.6 and plain_decay(spec, opts[1]) == 0.7 and plain_decay({}, "x") == 0.2
+    spec = StudySpec(run={"train.decay_frac": 0.7}, per_optimizer={opts[0]: {"train.decay_frac": 0.6}})
+    assert plain_decay(spec, opts[0]) == 0.6 and plain_decay(spec, opts[1]) == 0.7 and plain_decay(None, "x") == 0.2
     assert [r[1] for r in decay_table(df, "w4a4-rtn", spec).rows[:3]] == ["0 (stable end)", "0.5", "0.6 (plain)"]
-    assert decay_table(df[~df["arm"].str.startswith("decay")], "w4a4-rtn", {}) is None  # no decay entries
+    assert decay_table(df[~df["arm"].str.startswith("decay")], "w4a4-rtn", None) is None  # no decay entries
     df.to_parquet(tmp_path / "robust.parquet")
     keys = [b.key for b in robust_section(tmp_path, tmp_path / "fig").blocks]
     assert keys == ["robust", "robust-decay", "robust-schemes", "robust-ranking", "robust-pareto"]

@@ -75,7 +75,10 @@ from pathlib import Path
 # merged, budget 17,080.
 # Issue 31's rotated plans (+8 on its branch: quant/layers.model_name, a bit plan names a rotated o_proj or down_proj
 # by its model name): 17,083 merged, budget 17,090.
-BUDGET = 17_090
+# Issue 29's typed StudySpec (+39 on its branch: run/per_optimizer/sweeps as typed dicts parsed once, with the reader
+# of the old study.json's k=v lists; LRSearch carrying its runs' seeds instead of results re-reading config.json):
+# 17,122 merged, budget 17,130.
+BUDGET = 17_130
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

@@ -38,7 +38,25 @@ def test_lr_grid_and_overrides():
     assert lr_grid(spec, "adamw") == (1e-3, 3e-3, 9e-3)
     spec = apply_study_overrides(spec, ["lrs.muon=0.01,0.02", "sizes=nano", "sweeps.muon.optim.momentum=0.9,0.95"])
     assert lr_grid(spec, "muon") == (0.01, 0.02) and spec.sizes == ("nano",)
-    assert spec.sweeps == {"muon": {"optim.momentum": ("0.9", "0.95")}}
+    assert spec.sweeps == {"muon": {"optim.momentum": (0.9, 0.95)}}  # parsed once, by the field's type
+
+
+def test_study_json_round_trips_through_the_typed_spec_and_old_files_still_load():
+    """study.json is written by spec_to_dict and read by spec_from_dict, for every preset; a study.json written
+    before the typed spec (tests/data/study-cpu.json: `run`, `per_optimizer` and sweep values as `field=value`
+    strings) loads with its settings parsed by their fields' types, the same as the preset's."""
+    from optquant.study.spec import STUDY_PRESETS, cpu, run_config, spec_from_dict, spec_to_dict
+
+    for name in STUDY_PRESETS:
+        spec = study_preset(name)
+        assert spec_from_dict(json.loads(json.dumps(spec_to_dict(spec)))) == spec, name
+    old = json.loads((Path(__file__).parent / "data" / "study-cpu.json").read_text())["spec"]
+    assert "train.precision=fp32" in old["run"] and old["per_optimizer"]["muon"] == ["optim.ns_dtype=fp32"]
+    loaded = spec_from_dict({**old, "sweeps": {"muon": {"optim.momentum": ["0.9", "0.95"]}}})
+    assert loaded.run == cpu().run and loaded.run["train.tokens_per_param"] == 20.0
+    assert loaded.sweeps == {"muon": {"optim.momentum": (0.9, 0.95)}}
+    for opt in cpu().optimizers:  # its per_optimizer has fields' old names (LEGACY_NAMES): the same runs
+        assert run_config(loaded, "zepto", opt, 1e-3) == run_config(cpu(), "zepto", opt, 1e-3), opt
 
 
 def test_bad_study_overrides():

@@ -332,6 +332,14 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return values
 
 
+def typed_overrides(overrides: list[str], optim: str = "adamw") -> dict[str, Any]:
+    """`a.b=value` strings as {dotted key: value parsed by its field's type} in a run of optimizer `optim`: a
+    study's settings, parsed once when its spec is built; `override` takes them as they are."""
+    shape = RunConfig(optim=optimizer_config(optim), qat=QATConfig())
+    return {key: str(value) if key in ("optim.name", "qat") else parse_value(value, field_type(
+        shape, key.split("."), key)[1], key) for key, value in parse_overrides(overrides).items()}
+
+
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     """Apply `a.b=value` overrides (optimizer and QAT switches first)."""
     return override(cfg, parse_overrides(overrides))

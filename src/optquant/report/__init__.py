@@ -38,6 +38,7 @@ from optquant.report.tables import (
     to_markdown,
 )
 from optquant.report.timings import timing_section
+from optquant.study.spec import spec_to_dict
 
 __all__ = ["headline_tables", "render_report", "report_markdown"]
 
@@ -158,10 +159,10 @@ def render_report(study_dir: str | Path) -> Path:
     fig_dir.mkdir(parents=True, exist_ok=True)
     for stale in fig_dir.glob("*.png"):  # a rebuilt report must not show figures of an earlier build
         stale.unlink()
-    title = f"optquant report — {d.spec.get('name') or d.root.name}"
+    title = f"optquant report — {(d.spec and d.spec.name) or d.root.name}"
     sections = [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir),
                 robust_section(d.root, fig_dir), *filter(None, [bits_section(d.root, fig_dir)]), timing_section(d.root)]
-    text = page(title, _header(d), sections, d.spec)
+    text = page(title, _header(d), sections, spec_to_dict(d.spec) if d.spec else {})
     path = d.dir.page
     tmp = path.with_suffix(".html.tmp")
     tmp.unlink(missing_ok=True)  # a stale one, or a link planted there: never written through
@@ -189,6 +190,6 @@ def report_markdown(study_dir: str | Path) -> str:
         tables += [b for b in robust_section(d.root, d.dir.figures).blocks if isinstance(b, Table)]
     bits = bits_section(d.root, d.dir.figures)  # issue 31's plans, where the study wrote them
     tables += [b for b in bits.blocks if isinstance(b, Table)] if bits else []
-    head = (f"## optquant study {d.spec.get('name') or d.root.name}\n\n{machine_text(d)}\n\n_{CAVEAT}_\n\n"
+    head = (f"## optquant study {(d.spec and d.spec.name) or d.root.name}\n\n{machine_text(d)}\n\n_{CAVEAT}_\n\n"
             f"_{d.count_note()}_\n")
     return "\n".join([head, *(to_markdown(t) for t in tables)])

@@ -29,6 +29,7 @@ from optquant.errors import OptquantError
 from optquant.files import NUMBER, check_numeric_columns, check_record, parse_metrics, read_json, read_parquet
 from optquant.report.paper import by_label, label
 from optquant.runs import RunDir, StudyDir
+from optquant.study.spec import StudySpec, spec_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ _EXTRA_COLORS = ("#17becf", "#e377c2", "#7f7f7f", "#bcbd22")
 @dataclass(frozen=True)
 class StudyData:
     root: Path
-    spec: dict
+    spec: StudySpec | None  # study.json's, None without one
     sizes: tuple[str, ...]  # presets, smallest first
     n_params: dict[str, float]
     optimizers: tuple[str, ...]
@@ -219,7 +220,7 @@ def load_study(study_dir: str | Path) -> StudyData:
     optimizers = tuple(by_label(set(results["optimizer"])))
     return StudyData(
         root=root,
-        spec=info.get("spec") or {},
+        spec=spec_from_dict(info["spec"]) if info.get("spec") else None,
         sizes=sizes,
         n_params=n_params,
         optimizers=optimizers,

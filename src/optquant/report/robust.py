@@ -34,6 +34,7 @@ from optquant.report.paper import label
 from optquant.report.tables import Table, not_run
 from optquant.runs import StudyDir
 from optquant.stats import ALPHA, holm, min_p, paired_test, rank_with_ties, summarize
+from optquant.study.spec import StudySpec, setting, spec_from_dict
 
 ROBUST_FILE = StudyDir(Path()).robust.name  # the captions name it
 
@@ -201,14 +202,12 @@ def ranking_table(df: pd.DataFrame, scheme: str) -> Table:
                  ("method", *opts, "vs none"), rows, caption)
 
 
-def plain_decay(spec: dict, opt: str) -> float:
-    """The plain runs' train.decay_frac: the last one the study's `run` or the optimizer's overrides set."""
-    sets = [o.split("=", 1)[1] for o in (*spec.get("run", ()), *spec.get("per_optimizer", {}).get(opt, ()))
-            if o.startswith("train.decay_frac=")]
-    return float(sets[-1]) if sets else TrainConfig.decay_frac
+def plain_decay(spec: StudySpec | None, opt: str) -> float:
+    """The plain runs' train.decay_frac: the optimizer's setting, else the study's `run`, else the default."""
+    return setting(spec, opt, "train.decay_frac", TrainConfig.decay_frac) if spec else TrainConfig.decay_frac
 
 
-def decay_table(df: pd.DataFrame, scheme: str, spec: dict) -> Table | None:
+def decay_table(df: pd.DataFrame, scheme: str, spec: StudySpec | None) -> Table | None:
     """Stable vs decayed: each optimizer's final-model damage per decay length, paired with its shortest."""
     decays = {a: float(a.split(":", 1)[1]) for a in df["arm"].unique() if a.startswith("decay:")}
     if not decays:
@@ -274,7 +273,7 @@ def robust_section(root: Path, fig_dir: Path) -> Section:
              "the plain one (a difference of exactly 0); its final model shows what QAT changed.")
     sd = StudyDir(root)
     path, spec, results = sd.robust, _spec(sd), sd.results
-    plan = (seed_table(read_parquet(results), "w4a4-rtn", tuple(spec.get("robust") or RECOMMENDED_ARM)),) \
+    plan = (seed_table(read_parquet(results), "w4a4-rtn", (spec and spec.robust) or RECOMMENDED_ARM),) \
         if results.is_file() else ()
     if not path.is_file():
         return Section("robust", "Robust training", intro,
@@ -291,5 +290,6 @@ def robust_section(root: Path, fig_dir: Path) -> Section:
                     *plan, fig_pareto(df, schemes[0], fig_dir)))
 
 
-def _spec(sd: StudyDir) -> dict:
-    return (read_json(sd.study) if sd.study.is_file() else {}).get("spec", {})
+def _spec(sd: StudyDir) -> StudySpec | None:
+    spec = (read_json(sd.study) if sd.study.is_file() else {}).get("spec")
+    return spec_from_dict(spec) if spec else None

@@ -20,7 +20,7 @@ import os
 import shutil
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +28,11 @@ from optquant.config import RunConfig
 from optquant.files import atomic_write_json, atomic_write_text
 from optquant.harness import HarnessConfig, task_manager
 from optquant.ptq_stage import AnalysisConfig, scheme_config
-from optquant.runs import RunDir, StudyDir, read_config, read_metrics, run_dir
+from optquant.runs import RunDir, StudyDir, read_metrics, run_dir
 from optquant.study.bracket import bracket
 from optquant.study.executor import WorkerPool, execute, threads_per_worker
 from optquant.study.jobs import Job, OutliersJob, PTQJob, Result, TrainJob
-from optquant.study.spec import StudySpec, lr_grid, repeat_seeds, run_config, search_seed
+from optquant.study.spec import StudySpec, lr_grid, repeat_seeds, robust_settings, run_config, search_seed, spec_to_dict
 from optquant.study.tuning import LRSearch, group_fields, loss_of, losses, ratio_settings, step_sizes, tune
 
 log = logging.getLogger(__name__)
@@ -79,29 +79,29 @@ class Study:
 class State:
     """What the steps of `run_study` hand on to the later ones."""
 
-    swept: dict[str, tuple[str, ...]] = field(default_factory=dict)  # optimizer → its swept settings
+    swept: dict[str, dict[str, Any]] = field(default_factory=dict)  # optimizer → its swept settings
     found: dict[Key, LRSearch] = field(default_factory=dict)
     thresholds: dict[str, float] = field(default_factory=dict)  # size → Common Loss
     cl_paths: dict[tuple, Path] = field(default_factory=dict)  # (optimizer, size, seed) → CL model's run
-    qat: dict[str, tuple[str, Result]] = field(default_factory=dict)
+    qat: dict[str, tuple[Key, float, int, int, Result]] = field(default_factory=dict)  # run id → its run
 
 
 def sweep_stage(study: Study, state: State) -> None:
     """The paper's sequential 1-D sweeps at the smallest size: each hyperparameter's best value is
-    kept for the next sweep and for every size: `state.swept`, per-optimizer settings (`field=value`)."""
+    kept for the next sweep and for every size: `state.swept`, per-optimizer settings (field → value)."""
     spec = study.spec
-    tuned: dict[str, tuple] = {opt: () for opt in spec.optimizers}
+    tuned: dict[str, dict[str, Any]] = {opt: {} for opt in spec.optimizers}
     for opt, params in spec.sweeps.items():
         if opt not in tuned:
             continue
         center = lr_grid(spec, opt)[len(lr_grid(spec, opt)) // 2]
         for param, values in params.items():
             cfgs = {v: run_config(spec, spec.sizes[0], opt, center, search_seed(spec.seeds),
-                                  extra=(*tuned[opt], f"{param}={v}"))
+                                  extra={**tuned[opt], param: v})
                     for v in values}
             results = study.train(f"sweep {opt} {param}", cfgs)
             best = min(values, key=lambda v: loss_of(results[v]))
-            tuned[opt] = (*tuned[opt], f"{param}={best}")
+            tuned[opt] = {**tuned[opt], param: best}
             log.info("sweep %s: %s = %s", opt, param, best)
     state.swept = tuned
 
@@ -117,13 +117,12 @@ def fp_stage(study: Study, state: State) -> None:
         return fp_config(spec, key, lr, seed, swept[key[0]], ratio_settings(ratios))
 
     found = tune(study.train, spec, config)
-    ends = {key: bracket(losses(t.lr_runs)) for key, t in found.items()}
-    seeds = {(key, seed): config(key, b.best, found[key].ratios, seed) for key, b in ends.items()
-             if b.best is not None for seed in repeat_seeds(spec.seeds)}
+    seeds = {(key, seed): config(key, t.lr.best, t.ratios, seed) for key, t in found.items()
+             if t.lr.best is not None for seed in repeat_seeds(spec.seeds)}
     others = study.train("fp seeds", seeds) if seeds else {}
     out = {}
-    for key, b in ends.items():
-        t = found[key]
+    for key, t in found.items():
+        b = t.lr
         per_lr = {lr: [s] for lr, s in sorted(t.lr_runs.items())}
         if b.best is not None:
             per_lr[b.best] += [others[(key, seed)] for seed in repeat_seeds(spec.seeds)]
@@ -131,14 +130,15 @@ def fp_stage(study: Study, state: State) -> None:
         out[key] = LRSearch(per_lr, b.best, b.status, b.reason, sum(best_losses) / len(best_losses), swept[key[0]],
                             t.ratios, {f: losses(r) for f, r in t.ratio_runs.items()},
                             {f: bracket(losses(r)).status for f, r in t.ratio_runs.items()},
-                            step_sizes(config(key, b.best if b.best is not None else 1e-3, t.ratios), set(t.ratios)))
+                            step_sizes(config(key, b.best if b.best is not None else 1e-3, t.ratios), set(t.ratios)),
+                            (seed0, *repeat_seeds(spec.seeds)))
         if b.status != "bracketed":
             log.warning("%s at %s: best LR %s not bracketed (%s): %s", *key, b.best, b.status, b.reason)
     state.found = out
     warn_unconverged(study, out)
 
 
-def fp_config(spec: StudySpec, key: Key, lr: float, seed: int, sweeps: tuple[str, ...] = (),
+def fp_config(spec: StudySpec, key: Key, lr: float, seed: int, sweeps: dict[str, Any] | None = None,
               settings: dict[str, Any] | None = None) -> RunConfig:
     """An FP (or, with QAT `settings`, QAT) run of the study; every evaluation's checkpoint is kept so the
     Common-Loss stage can start from the last one before the crossing instead of replaying the run."""
@@ -160,19 +160,19 @@ def cl_stage(study: Study, state: State) -> None:
     crossing (a deterministic run resumes exactly where a replay would be). Sets the thresholds by size
     and the CL models' run directories by (optimizer, size, seed)."""
     spec, found, thresholds, cfgs = study.spec, state.found, {}, {}
-    done = [(key, s) for key, search in found.items() for s in search.best_runs()
+    done = [(key, seed, s) for key, search in found.items() for seed, s in search.best_runs().items()
             if s.get("status") == "done" and s.get("best_val_loss") is not None]
     for size in spec.sizes:
-        losses = [s["best_val_loss"] for (o, sz), s in done if sz == size]
+        losses = [s["best_val_loss"] for (o, sz), _, s in done if sz == size]
         if losses:
             thresholds[size] = max(losses)
-    for (opt, size), summary in done:
+    for (opt, size), seed, summary in done:
         threshold = thresholds[size] * (1 + CL_SLACK)
         source = study.runs / summary["run_id"]
         search = found[(opt, size)]
         settings = {**search.settings(), **cl_settings(spec, threshold, source), "train.stop_at_cl": True}
-        cfg = run_config(spec, size, opt, search.best, read_config(source).seed, settings, search.sweeps)
-        cfgs[(opt, size, cfg.seed)] = cfg
+        cfg = run_config(spec, size, opt, search.best, seed, settings, search.sweeps)
+        cfgs[(opt, size, seed)] = cfg
         seed_from_history(source, settings["train.cl_eval_from"], run_dir(study.runs, cfg))
     results = study.train("common loss", cfgs)
     paths = {}
@@ -265,38 +265,38 @@ def ptq_job(path: Path, scheme: str, weights: str, mc_items: int, harness: Harne
 
 
 def qat_stage(study: Study, state: State) -> None:
-    """QuEST QAT at each best LR, for every seed and bit width: `state.qat`, run id → (size, summary)."""
+    """QuEST QAT at each best LR, for every seed and bit width: `state.qat`, run id → ((optimizer, size), lr,
+    seed, bits, summary)."""
     spec = study.spec
     if not spec.qat_bits:
         return
-    cfgs = {run_dir(study.runs, cfg).name: (key[1], cfg) for key, search in state.found.items()
+    cfgs = {run_dir(study.runs, cfg).name: ((key, search.best, seed, b), cfg) for key, search in state.found.items()
             if search.best is not None and search.converged
             for seed in spec.seeds for b in spec.qat_bits
             for cfg in [fp_config(spec, key, search.best, seed, search.sweeps,
                                   {**search.settings(), "qat.method": "quest", "qat.w_bits": b, "qat.a_bits": b})]}
     results = study.train("qat", {run_id: cfg for run_id, (_, cfg) in cfgs.items()})
-    state.qat = {run_id: (size, results[run_id]) for run_id, (size, _) in cfgs.items()}
+    state.qat = {run_id: (*run, results[run_id]) for run_id, (run, _) in cfgs.items()}
 
 
 def robust_stage(study: Study, state: State) -> None:
     """The robust arm (study/robust.py): each best-LR run of every seed again with each `robust` entry, with
     the size's CL threshold set; every PTQ scheme on their CL models, the first on their final models and
     the plain runs' (the plain CL models' PTQ is the PTQ stage's, read back). Writes robust.parquet."""
-    from optquant.quant.robust_config import entry_overrides
     from optquant.study.robust import robust_rows, write_robust
 
     spec, plain, cfgs, thresholds, cl_paths = study.spec, {}, {}, state.thresholds, state.cl_paths
     if not spec.robust:
         return
     for (opt, size), search in state.found.items():
-        runs = [study.runs / s["run_id"] for s in search.best_runs() if s.get("status") == "done"]
-        for source in runs if size in thresholds else []:
-            seed, threshold = read_config(source).seed, thresholds[size] * (1 + CL_SLACK)
+        runs = {seed: study.runs / s["run_id"] for seed, s in search.best_runs().items() if s.get("status") == "done"}
+        for seed, source in runs.items() if size in thresholds else ():
+            threshold = thresholds[size] * (1 + CL_SLACK)
             plain[(opt, size, seed, "none")] = source
             settings = {**search.settings(), **cl_settings(spec, threshold, source)}
             for entry in spec.robust:
                 cfgs[(opt, size, seed, entry)] = run_config(spec, size, opt, search.best, seed, settings,
-                                                            (*search.sweeps, *entry_overrides(entry)))
+                                                            {**search.sweeps, **robust_settings(entry)})
     summaries = study.train("robust", cfgs)
     runs = {key: run_dir(study.runs, cfg) for key, cfg in cfgs.items()}
     cl_models = {key: p for key, p in runs.items() if summaries[key].get("cl_step") is not None}
@@ -449,7 +449,7 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
     with WorkerPool(spec.workers) as pool:  # started by the first batch that needs it
         study = Study(spec, Path(root), on_event, pool)
         study.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(study.dir.study, {"spec": asdict(spec), "sizes": _sizes(spec), "machine": machine(spec),
+        atomic_write_json(study.dir.study, {"spec": spec_to_dict(spec), "sizes": _sizes(spec), "machine": machine(spec),
                                             "search_seed": search_seed(spec.seeds)})
         state = State()
         for step in STEPS:

@@ -29,13 +29,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from optquant.config import TrainConfig
 from optquant.errors import OptquantError
 from optquant.files import atomic_write_json, check_numeric_columns, read_json, read_parquet, write_parquet
 from optquant.metrics.outliers import OUTLIER_METRICS
 from optquant.ptq_stage import AnalysisConfig, read_result
-from optquant.runs import RunDir, StudyDir, read_config, read_summary
+from optquant.runs import RunDir, StudyDir, read_summary
 from optquant.scaling import FitConfig, ScalingPoint, fit_joint, fit_laws, judge
 from optquant.study.correlate import correlate
+from optquant.study.spec import setting
 from optquant.study.tuning import LRSearch
 
 log = logging.getLogger(__name__)
@@ -56,50 +58,45 @@ def _rows(base: dict[str, Any], scheme: str, values: dict[str, Any], names) -> l
     return out
 
 
-def _base(run: Path, summary: dict, kind: str, size: str, best: bool) -> dict[str, Any]:
-    cfg = read_config(run)
-    return {"size": size, "n_params": summary.get("n_params"), "optimizer": cfg.optim.name,
-            "lr": cfg.optim.lr, "seed": cfg.seed, "kind": kind, "best_lr": best, "run_id": run.name,
-            "n_params_non_embedding": summary.get("n_params_non_embedding"),
-            "budget_params": cfg.train.budget_params}
-
-
 def gather(study, found: dict[tuple[str, str], LRSearch], thresholds: dict, cl_paths: dict, qat: dict) -> pd.DataFrame:
     rows: list[dict[str, Any]] = []
     sweep = AnalysisConfig(weights="final")
-    for (_, size), search in found.items():
-        for lr, summaries in search.lrs.items():
-            for s in summaries:
-                run = study.runs / s["run_id"]
-                base = _base(run, s, "fp", size, lr == search.best)
-                rows += _rows(base, "none", {**s, "diverged": float(s["status"] == "diverged")},
-                              (*FP_METRICS, "diverged"))
-                rows += _rows(base, "none", {"best_lr_at_edge": float(search.status == "cap"),
-                                             "lr_bracketed": float(search.status == "bracketed")},
-                              ("best_lr_at_edge", "lr_bracketed"))
-                rows += _sweep_rows(study, run, base, sweep)
+
+    def base(run: Path, summary: dict, kind: str, key: tuple[str, str], lr: float, seed: int, best: bool) -> dict:
+        """A run's identifying columns, carried from the search (its LR and seed) and the spec."""
+        budget = setting(study.spec, key[0], "train.budget_params", TrainConfig.budget_params, found[key].sweeps)
+        return {"size": key[1], "n_params": summary.get("n_params"), "optimizer": key[0], "lr": lr, "seed": seed,
+                "kind": kind, "best_lr": best, "run_id": run.name,
+                "n_params_non_embedding": summary.get("n_params_non_embedding"), "budget_params": budget}
+
+    for key, search in found.items():
+        for lr, seed, s in search.runs():
+            run = study.runs / s["run_id"]
+            row = base(run, s, "fp", key, lr, seed, lr == search.best)
+            rows += _rows(row, "none", {**s, "diverged": float(s["status"] == "diverged")}, (*FP_METRICS, "diverged"))
+            rows += _rows(row, "none", {"best_lr_at_edge": float(search.status == "cap"),
+                                        "lr_bracketed": float(search.status == "bracketed")},
+                          ("best_lr_at_edge", "lr_bracketed"))
+            rows += _sweep_rows(study, run, row, sweep)
     acfg = AnalysisConfig(weights="cl")
-    for (_, size, _), run in cl_paths.items():
+    for (opt, size, seed), run in cl_paths.items():
         s = read_summary(run)
-        base = _base(run, s, "cl", size, True)
-        rows += _rows(base, "none", {"cl_threshold": thresholds[size], "cl_step": s["cl_step"]},
+        row = base(run, s, "cl", (opt, size), found[(opt, size)].best, seed, True)
+        rows += _rows(row, "none", {"cl_threshold": thresholds[size], "cl_step": s["cl_step"]},
                       ("cl_threshold", "cl_step"))
         for scheme in study.spec.ptq_schemes:
             damage = read_result(run, acfg, scheme, "damage") or {}
             metrics = read_result(run, acfg, scheme, "analysis") or {}
             tasks_fp, tasks_q = task_scores(damage, "fp"), task_scores(damage, "q")
             if scheme == study.spec.ptq_schemes[0]:  # FP numbers of the CL model, once
-                rows += _rows(base, "none", _side(damage, metrics, "fp"), ("val_loss", "mc_acc", "mc_acc_norm",
+                rows += _rows(row, "none", _side(damage, metrics, "fp"), ("val_loss", "mc_acc", "mc_acc_norm",
                                                                         *OUTLIER_METRICS))
-                rows += _rows(base, "none", tasks_fp, tasks_fp)
-            rows += _rows(base, scheme, _side(damage, metrics, "q"), PTQ_METRICS)
-            rows += _rows(base, scheme, tasks_q, tasks_q)
-    for run_id, (size, s) in qat.items():
-        run = study.runs / run_id
-        cfg = read_config(run)
-        base = {**_base(run, s, "qat", size, True), "bits": cfg.qat.w_bits}
-        scheme = f"{cfg.qat.method}-w{cfg.qat.w_bits}a{cfg.qat.a_bits}"
-        rows += _rows(base, scheme, s, ("final_val_loss", "qat_rel_degradation_pct", *TIMING))
+                rows += _rows(row, "none", tasks_fp, tasks_fp)
+            rows += _rows(row, scheme, _side(damage, metrics, "q"), PTQ_METRICS)
+            rows += _rows(row, scheme, tasks_q, tasks_q)
+    for run_id, (key, lr, seed, bits, s) in qat.items():
+        row = {**base(study.runs / run_id, s, "qat", key, lr, seed, True), "bits": bits}
+        rows += _rows(row, f"quest-w{bits}a{bits}", s, ("final_val_loss", "qat_rel_degradation_pct", *TIMING))
     df = pd.DataFrame(rows)
     return df.sort_values(["kind", "size", "optimizer", "lr", "seed", "scheme", "metric"], kind="stable",
                           ignore_index=True) if len(df) else df

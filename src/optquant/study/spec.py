@@ -22,10 +22,12 @@ repeated with each and measured at the Common Loss like the plain runs (study/ro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from optquant.config import RunConfig, override, parse_overrides, parse_value, run_preset, set_field
+import msgspec
+
+from optquant.config import RunConfig, override, parse_value, run_preset, set_field, typed_overrides
 from optquant.errors import OptquantError
 from optquant.harness import HarnessConfig, check_harness
 from optquant.optim import OPTIMIZERS, is_optimizer, optimizer_config
@@ -47,9 +49,9 @@ class StudySpec:
     lr_from_smallest: bool = False  # grids after the smallest size centred on its best LR (study/tuning.py)
     tune_groups: bool = False  # tie each group LR an optimizer declares (GROUP_LRS) to lr and search the ratio
     lrs: dict[str, tuple[float, ...]] = field(default_factory=dict)  # explicit grids per optimizer
-    sweeps: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)
-    run: tuple[str, ...] = ()  # dotted overrides for every run (data, train budget, vocab, ...)
-    per_optimizer: dict[str, tuple[str, ...]] = field(default_factory=dict)  # overrides for one optimizer
+    sweeps: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)  # optimizer → field → values
+    run: dict[str, Any] = field(default_factory=dict)  # dotted field → value, every run (data, budget, vocab, ...)
+    per_optimizer: dict[str, dict[str, Any]] = field(default_factory=dict)  # the same for one optimizer's runs
     ptq_schemes: tuple[str, ...] = PAPER_PTQ_SCHEMES  # on every Common-Loss model
     sweep_ptq_schemes: tuple[str, ...] = ("w4a4-rtn",)  # on every LR-sweep run's final model
     qat_bits: tuple[int, ...] = (4,)  # QuEST W_bA_b runs at each optimizer's best LR; () = no QAT
@@ -63,14 +65,19 @@ class StudySpec:
 
 
 def run_config(spec: StudySpec, size: str, opt: str, lr: float | None = None, seed: int = 0,
-               settings: dict[str, Any] | None = None, extra: tuple[str, ...] = ()) -> RunConfig:
-    """One run of the study as the planner builds it (`lr` None: the optimizer's default). `settings`: the
-    planner's own (typed) fields, e.g. a tied group's ratio or a Common-Loss threshold; `extra`: settings as
-    the user wrote them (`field=value`: a swept value, a robust entry), parsed by type like `spec.run`."""
-    base = run_preset(size)
-    values = parse_overrides([*spec.run, f"optim.name={opt}", *spec.per_optimizer.get(opt, ()), *extra])
-    values |= {**({} if lr is None else {"optim.lr": lr}), "seed": seed, **(settings or {})}
-    return replace(override(base, values), name=f"{spec.name}-{size}")
+               settings: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> RunConfig:
+    """One run of the study as the planner builds it (`lr` None: the optimizer's default), from typed dotted
+    fields: `extra` (swept values, a robust entry) over the spec's, then `lr` and `seed`, then `settings`
+    (the planner's own: a tied group's ratio, a Common-Loss threshold)."""
+    values = {**spec.run, "optim.name": opt, **spec.per_optimizer.get(opt, {}), **(extra or {}),
+              **({} if lr is None else {"optim.lr": lr}), "seed": seed, **(settings or {})}
+    return replace(override(run_preset(size), values), name=f"{spec.name}-{size}")
+
+
+def setting(spec: StudySpec, opt: str, key: str, default: Any, swept: dict[str, Any] | None = None) -> Any:
+    """The value of dotted field `key` in `opt`'s runs as the spec sets it (a swept value, else per_optimizer,
+    else run), else `default`."""
+    return {**spec.run, **spec.per_optimizer.get(opt, {}), **(swept or {})}.get(key, default)
 
 
 def search_seed(seeds: tuple[int, ...]) -> int:
@@ -94,11 +101,11 @@ def lr_grid(spec: StudySpec, optimizer: str) -> tuple[float, ...]:
     return tuple(round_lr(center * spec.lr_step ** (i - (k - 1) / 2)) for i in range(k))
 
 
-def _caps(cap: int) -> dict[str, tuple[str, ...]]:
+def _caps(cap: int) -> dict[str, dict[str, Any]]:
     """Preconditioner size caps scaled to the model, keeping the paper's regime: the vocabulary
     dimension is above the cap (diagonal/unpreconditioned/blocked) and every hidden dimension below it
     (the paper: 12288 with vocab 32000 and hidden widths up to 8192), for every optimizer that has a cap."""
-    return {o: (f"optim.max_precondition_dim={cap}",) for o, c in OPTIMIZERS.items()
+    return {o: {"optim.max_precondition_dim": cap} for o, c in OPTIMIZERS.items()
             if hasattr(c, "max_precondition_dim")}
 
 
@@ -108,24 +115,23 @@ def smoke() -> StudySpec:
     return StudySpec(
         name="smoke", sizes=("femto", "nano"), lr_points=2, lr_extensions=1, seeds=(0, 1), lr_from_smallest=True,
         tune_groups=True, per_optimizer=_caps(256), fit_interval="none",
-        run=("model.vocab_size=512", "model.seq_len=32", "train.batch_size=8", "train.steps=30",
-             "train.eval_every=10", "train.eval_batches=2", "train.precision=fp32"),
+        run={"model.vocab_size": 512, "model.seq_len": 32, "train.batch_size": 8, "train.steps": 30,
+             "train.eval_every": 10, "train.eval_batches": 2, "train.precision": "fp32"},
     )
 
 
 # fp32 everywhere (the model and Muon's/Scion's Newton–Schulz): `precision=auto` picks bf16 on CPUs with
 # native bf16 and fp32 elsewhere, and the two gave different best LRs and verdicts; pinned, every x86 CPU
 # runs the same arithmetic up to the BLAS's summation order.
-_CPU_RUN = ("model.vocab_size=1024", "train.batch_size=16", "train.tokens_per_param=20",
-            "train.budget_params=non_embedding", "train.eval_every=25", "train.eval_batches=8",
-            "train.precision=fp32")
-_FP32_NS = ("optim.ns_dtype=fp32",)
+_CPU_RUN = {"model.vocab_size": 1024, "train.batch_size": 16, "train.tokens_per_param": 20.0,
+            "train.budget_params": "non_embedding", "train.eval_every": 25, "train.eval_batches": 8,
+            "train.precision": "fp32"}
 
 
-def _cpu_per_optimizer() -> dict[str, tuple[str, ...]]:
+def _cpu_per_optimizer() -> dict[str, dict[str, Any]]:
     """The caps at 512, and Newton–Schulz in fp32 for every optimizer that has one."""
-    caps, ns = _caps(512), {o: _FP32_NS for o, c in OPTIMIZERS.items() if hasattr(c, "ns_dtype")}
-    return {o: caps.get(o, ()) + ns.get(o, ()) for o in {**caps, **ns}}
+    caps, ns = _caps(512), {o: {"optim.ns_dtype": "fp32"} for o, c in OPTIMIZERS.items() if hasattr(c, "ns_dtype")}
+    return {o: caps.get(o, {}) | ns.get(o, {}) for o in {**caps, **ns}}
 
 
 def cpu() -> StudySpec:
@@ -159,12 +165,12 @@ def cpu_thorough() -> StudySpec:
 
 def gpu() -> StudySpec:
     return StudySpec(name="gpu", sizes=("50m", "125m"), lr_points=5, lr_step=2.0,
-                     run=("model.vocab_size=32000", "train.batch_size=256", "train.grad_accum=4"))
+                     run={"model.vocab_size": 32000, "train.batch_size": 256, "train.grad_accum": 4})
 
 
 def paper() -> StudySpec:
     return StudySpec(name="paper", sizes=("50m", "125m", "350m", "500m", "760m", "1.5b"), lr_points=8,
-                     lr_step=2.0, run=("model.vocab_size=32000",), executor="slurm", workers=1)
+                     lr_step=2.0, run={"model.vocab_size": 32000}, executor="slurm", workers=1)
 
 
 STUDY_PRESETS = {"smoke": smoke, "cpu": cpu, "cpu-robust": cpu_robust, "cpu-thorough": cpu_thorough, "gpu": gpu,
@@ -185,23 +191,22 @@ def apply_study_overrides(spec: StudySpec, overrides: list[str]) -> StudySpec:
         key, sep, value = item.partition("=")
         if not sep:
             raise OptquantError(f"--set {item}: expected key=value, e.g. sizes=nano,micro")
-        if key == "run":
-            spec = replace(spec, run=spec.run + (value,))
-        elif key.startswith("data."):  # the corpus of every run: `data.source=DIR` is `run=data.source=DIR`
-            spec = replace(spec, run=spec.run + (item,))
+        if key == "run" or key.startswith("data."):  # `data.source=DIR` is `run=data.source=DIR`
+            spec = replace(spec, run={**spec.run, **typed_overrides([value if key == "run" else item],
+                                                                    (*spec.optimizers, "adamw")[0])})
         elif key.startswith("lrs."):
             opt = _known_optimizer(key[4:], item)
             spec = replace(spec, lrs={**spec.lrs, opt: parse_value(value, tuple[float, ...], key)})
         elif key.startswith("sweeps."):
             opt, _, param = key[7:].partition(".")
             _known_optimizer(opt, item)
-            values = tuple(v.strip() for v in value.split(",") if v.strip())
+            values = _sweep_values(opt, param, [v.strip() for v in value.split(",") if v.strip()])
             spec = replace(spec, sweeps={**spec.sweeps, opt: {**spec.sweeps.get(opt, {}), param: values}})
         else:
             spec = set_field(spec, key.split("."), value, key)
     spec = replace(spec, eval=check_harness(spec.eval))
     for entry in spec.robust:
-        entry_overrides(entry)  # a bad entry fails here, before anything trains
+        robust_settings(entry)  # a bad entry fails here, before anything trains
     for opt in spec.optimizers:
         _known_optimizer(opt, "optimizers")
     return spec
@@ -213,13 +218,31 @@ def _known_optimizer(name: str, where: str) -> str:
     return name
 
 
+def robust_settings(entry: str) -> dict[str, Any]:
+    """A robust-arm entry `method[:strength[:every]]` as a run's typed settings."""
+    return typed_overrides(list(entry_overrides(entry)))
+
+
+def _sweep_values(opt: str, param: str, values: list) -> tuple[Any, ...]:
+    """A sweep's values as written (`0.9`, `fp32`), each parsed by its field's type in a run of `opt`."""
+    return tuple(typed_overrides([f"{param}={v}"], opt)[param] for v in values)
+
+
+def spec_to_dict(spec: StudySpec) -> dict[str, Any]:
+    """study.json's "spec": the StudySpec as JSON values (`spec_from_dict` reads it back)."""
+    return msgspec.to_builtins(spec)
+
+
 def spec_from_dict(d: dict) -> StudySpec:
-    """The StudySpec of a study.json "spec" (lists back to tuples; keys this version lacks are dropped)."""
-    names = {f.name for f in fields(StudySpec)}
-    tup = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names}
-    tup["lrs"] = {k: tuple(v) for k, v in d.get("lrs", {}).items()}
-    tup["per_optimizer"] = {k: tuple(v) for k, v in d.get("per_optimizer", {}).items()}
-    tup["sweeps"] = {o: {p: tuple(v) for p, v in ps.items()} for o, ps in d.get("sweeps", {}).items()}
-    ev = d.get("eval") or {}
-    tup["eval"] = HarnessConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ev.items()})
-    return StudySpec(**tup)
+    """The StudySpec of a study.json "spec" (keys this version lacks are dropped). A spec from before the typed
+    settings (`run` a list of `field=value` strings) has its settings parsed as the CLI parses them."""
+    if isinstance(d.get("run"), list):
+        opt = (d.get("optimizers") or ["adamw"])[0]
+        d = {**d, "run": typed_overrides(d["run"], opt),
+             "per_optimizer": {o: typed_overrides(v, o) for o, v in (d.get("per_optimizer") or {}).items()},
+             "sweeps": {o: {p: _sweep_values(o, p, v) for p, v in ps.items()}
+                        for o, ps in (d.get("sweeps") or {}).items()}}
+    try:
+        return msgspec.convert(d, StudySpec)
+    except msgspec.ValidationError as e:
+        raise OptquantError(f"study.json: not a study spec ({e})") from None

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from optquant.config import RunConfig
-from optquant.study.bracket import best_lr, bracket, extensions, refinement, round_lr
+from optquant.study.bracket import Bracket, best_lr, bracket, extensions, refinement, round_lr
 from optquant.study.spec import StudySpec, lr_grid, run_config
 
 Key = tuple[str, str]  # (optimizer, size)
@@ -38,38 +38,45 @@ class LRSearch:
     """One (optimizer, size)'s step sizes as the study chose them: every LR tried (the first seed's summary;
     at the best LR, every seed's), the best LR and whether the search bracketed it (study/bracket.py), the mean
     final loss over the best LR's seeds, the tied groups' ratios with their searches, and each parameter
-    group's step size as built (`step_sizes`). `sweeps`: the optimizer's swept settings (`field=value`)."""
+    group's step size (`step_sizes`). `sweeps`: the optimizer's swept settings (field → value)."""
 
     lrs: dict[float, list[dict[str, Any]]]
     best: float | None
     status: str
     reason: str
     best_loss: float
-    sweeps: tuple[str, ...] = ()
+    sweeps: dict[str, Any] = field(default_factory=dict)
     ratios: dict[str, float] = field(default_factory=dict)
     ratio_search: dict[str, dict[float, float]] = field(default_factory=dict)
     ratio_status: dict[str, str] = field(default_factory=dict)
     groups: list[dict[str, Any]] = field(default_factory=list)
+    seeds: tuple[int, ...] = (0,)  # the seeds of each LR's runs in order: the search seed's, then the repeats
 
     @property
     def converged(self) -> bool:
         return math.isfinite(self.best_loss)
 
-    def best_runs(self) -> list[dict[str, Any]]:
-        """The summaries of the best LR's runs, one per seed."""
-        return self.lrs.get(self.best, []) if self.best is not None else []
+    def best_runs(self) -> dict[int, dict[str, Any]]:
+        """The summaries of the best LR's runs by seed."""
+        return dict(zip(self.seeds, self.lrs.get(self.best, []), strict=False))
+
+    def runs(self) -> list[tuple[float, int, dict[str, Any]]]:
+        """(lr, seed, summary) of every run: each LR's on the search seed, the best LR's on every seed."""
+        return [(lr, seed, s) for lr, sums in self.lrs.items() for seed, s in zip(self.seeds, sums, strict=False)]
 
     def settings(self) -> dict[str, Any]:
         """What every later run of this (optimizer, size) is trained with: the tied groups' ratios (the
-        sweeps are `sweeps`, as the user wrote them)."""
+        sweeps are `sweeps`)."""
         return ratio_settings(self.ratios)
 
 
 @dataclass
 class Tuning:
-    """One (optimizer, size)'s search: its LR runs at the final ratios, the ratios and their searches."""
+    """One (optimizer, size)'s search: its LR runs at the final ratios and where they ended (the best LR), the
+    ratios and their searches."""
 
     lr_runs: dict[float, dict[str, Any]]  # lr -> first-seed summary, at the final ratios
+    lr: Bracket  # the LR search's end over lr_runs
     ratios: dict[str, float] = field(default_factory=dict)  # ratio field -> value (the tied groups)
     ratio_runs: dict[str, dict[float, dict[str, Any]]] = field(default_factory=dict)  # field -> ratio -> summary
 
@@ -138,7 +145,8 @@ def coordinate(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict]
     """One pass of coordinate search for every key at once: LR, then each tied group's ratio at the best LR,
     then the LR again around its best where a ratio moved."""
     lr_runs = search(run, "fp sweep", grids, lambda k, lr: config(k, lr, ratios[k]), spec)
-    best = {k: best_lr(losses(lr_runs[k])) for k in grids}
+    ends = {k: bracket(losses(lr_runs[k])) for k in grids}
+    best = {k: e.best for k, e in ends.items()}
     ratios = {k: dict(v) for k, v in ratios.items()}
     ratio_runs: dict[Key, dict[str, dict]] = {k: {} for k in grids}
     start = {k: dict(v) for k, v in ratios.items()}
@@ -157,7 +165,8 @@ def coordinate(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict]
     if moved:
         again = search(run, "fp sweep", moved, lambda k, lr: config(k, lr, ratios[k]), spec)
         lr_runs.update(again)
-    return {k: Tuning(lr_runs[k], ratios[k], ratio_runs[k]) for k in grids}
+        ends |= {k: bracket(losses(lr_runs[k])) for k in again}
+    return {k: Tuning(lr_runs[k], ends[k], ratios[k], ratio_runs[k]) for k in grids}
 
 
 def tune(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict], RunConfig]) -> dict[Key, Tuning]:
@@ -170,7 +179,7 @@ def tune(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict], RunC
         grids, ratios = {}, {}
         for o in spec.optimizers:
             src = out[(o, first)]
-            b = best_lr(losses(src.lr_runs))
+            b = src.lr.best
             for s in rest:
                 explicit = o in spec.lrs or b is None or not spec.lr_from_smallest
                 grids[(o, s)] = list(lr_grid(spec, o)) if explicit else centred(b, spec.lr_step, spec.lr_points)

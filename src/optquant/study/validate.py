@@ -92,11 +92,11 @@ def _check_runs(spec: StudySpec) -> None:
             _list(f"sweeps.{opt}.{param}", values)
             for v in values:
                 _run(spec, f"sweeps.{opt}.{param}={v}", spec.sizes[0], opt, None, search_seed(spec.seeds),
-                     extra=(f"{param}={v}",))
+                     extra={param: v})
 
 
 def _run(spec: StudySpec, what: str, size: str, opt: str, lr: float | None, seed: int,
-         settings: dict | None = None, extra: tuple[str, ...] = ()) -> None:
+         settings: dict | None = None, extra: dict | None = None) -> None:
     try:
         run_config(spec, size, opt, lr, seed, settings, extra)
     except OptquantError as e:
