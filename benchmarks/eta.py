@@ -41,7 +41,7 @@ def load(path: Path) -> tuple[dict, list[dict]]:
 
 def checkpoints(study: dict, records: list[dict]) -> list[dict]:
     """At 10/50/90 % of the wall time and of the jobs: the replay's row (t, jobs, true, eta, old)."""
-    rows = replay(spec_from_dict(study["spec"]), records)
+    rows = replay(spec_from_dict(study["spec"]), records, probe=study.get("probe"))
     total = rows[-1]["t"] + rows[-1]["true"]
     out = []
     for f in (0.1, 0.5, 0.9):
@@ -56,7 +56,7 @@ SHARES = (0.02, 0.05, 0.1, 0.25, 0.5, 0.9)
 def ratios(study: dict, records: list[dict]) -> dict[float, float]:
     """ETA ÷ true remaining time at each share of the run's wall time in SHARES (issue 30's goal: within
     [0.7, 1.3] from 5 % on)."""
-    rows = replay(spec_from_dict(study["spec"]), records)
+    rows = replay(spec_from_dict(study["spec"]), records, probe=study.get("probe"))
     total = rows[-1]["t"] + rows[-1]["true"]
     return {f: r["eta"] / r["true"] for f in SHARES for r in [next(r for r in rows if r["t"] >= f * total)]}
 
