@@ -67,7 +67,10 @@ from pathlib import Path
 # Issue 29's table of stages (+110 on its branch: plan.STEPS, each stage's kind, label and job count, read by the dry
 # run, the ETA and validate; the steps' shared State), with the robust arm and the bit plans in the table: 16,971
 # merged, budget 16,980.
-BUDGET = 16_980
+# Issue 30's calibrated ETA (+93: study/probe.py, a few training steps per optimizer at the smallest and largest
+# size before the first job, recorded in study.json; the ETA's per-step prior scaled by it; the job event carries
+# its timing record, so the progress display no longer reads costs.jsonl back): 17,064, budget 17,070.
+BUDGET = 17_070
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

@@ -1,18 +1,18 @@
 """A study's ETA from the cost model, corrected by the measured time of every finished job.
 
-Counting jobs makes a poor clock: a study's jobs differ a thousandfold in cost (a PTQ job takes a
-second, a QAT run at the largest size minutes), and the slow QAT stage comes after the fast PTQ jobs. So
-the plan is priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start: its
-expected job count (the table of stages, study/plan.py `STEPS`, each row at its `expected` share: one
-LR extension round per search, half of any other upper bound) and a prior cost per job (`PRIOR`: a fixed
-part per training step, or per PTQ job, plus its FLOPs at an effective rate; half the CL upper bound),
-scaled to this machine by the study's probe (study/probe.py, in study.json) when it has one. Each costs.jsonl record (study/executor.py)
-then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best
-LR's runs, under the machine's current load); for CL and QAT, its FP twin's mean times the CL/FP or
-QAT/FP ratio measured in other cells; the prior scaled by the measured/prior ratio of the same class and
-optimizer, then class, then all jobs. A job of a later step of the table ends the earlier ones (their counts become
-what ran: extensions that never came are dropped), and the PTQ counts are recomputed from the FP
-runs that actually finished.
+Counting jobs makes a poor clock: a study's jobs differ a thousandfold in cost (a PTQ job takes a second, a
+QAT run at the largest size minutes), and the slow QAT stage comes after the fast PTQ jobs. So the plan is
+priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start: its expected job count
+(the table of stages, study/plan.py `STEPS`, each row at its `expected` share: one LR extension round per
+search, half of any other upper bound) and a prior cost per job (`PRIOR`: a fixed part per training step, or
+per PTQ job, plus its FLOPs at an effective rate; half the CL upper bound), scaled to this machine by the
+study's probe (study/probe.py, in study.json) when it has one. Each costs.jsonl record (study/executor.py)
+then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best LR's
+runs, under the machine's current load); for CL and QAT, its FP twin's mean times the CL/FP or QAT/FP ratio
+measured in other cells; the prior scaled by the measured/prior ratio of the same class and optimizer, then
+class, then all jobs. A job of a later step of the table ends the earlier ones (their counts become what ran:
+extensions that never came are dropped), and the PTQ counts are recomputed from the FP runs that actually
+finished.
 
 remaining wall time = remaining worker-seconds / measured parallelism (worker-seconds done per second of
 wall time, between 1 and `workers`) − the time since the last completion; the display counts down
@@ -201,16 +201,18 @@ class CostETA:
 
 
 def replay(spec: StudySpec, records: list[dict], start: float | None = None, probe: dict | None = None) -> list[dict]:
-    """Feed a recorded costs.jsonl in order of completion; after each job: the time, jobs done, the true
-    remaining time (to the last job's end), this module's ETA (priced by `probe`, the study.json's) and tqdm's job-count ETA as `optquant
-    study` showed it before (total = the planned jobs, grown when exceeded; tqdm's EMA rate, smoothing 0.3)."""
+    """Feed a recorded costs.jsonl in order of completion; at the start (the probed prior alone) and after each job:
+    the time, jobs done, the true remaining time (to the last job's end), this module's ETA (priced by
+    `probe`, the study.json's) and tqdm's job-count ETA as `optquant study` showed it before (total = the
+    planned jobs, grown when exceeded; tqdm's EMA rate, smoothing 0.3)."""
     from tqdm.std import EMA
 
     records = sorted(records, key=lambda r: r["end"])
     start = min(r["start"] for r in records) if start is None else start
     end, est = records[-1]["end"], CostETA(spec, start, probe=probe)
     total = round(sum(c.planned for c in est.cells.values()))
-    dn, dt, last_t, last_n, out = EMA(0.3), EMA(0.3), start, 0, []
+    dn, dt, last_t, last_n = EMA(0.3), EMA(0.3), start, 0
+    out = [{"t": 0.0, "jobs": 0, "true": end - start, "eta": est.eta(start), "old": math.nan}]  # the prior's
     for i, r in enumerate(records, 1):
         est.record(r)
         t = r["end"]

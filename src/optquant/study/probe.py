@@ -1,11 +1,12 @@
 """A few-second measurement of this machine's speed on the study's own shapes, before its first job.
 
-For the smallest and the largest size of the study and each optimizer: `STEPS` timed training steps (after one untimed step, which
-builds the optimizer's state) of the run's model, optimizer, micro-batch and precision on random tokens,
-and one evaluation forward pass per size, in this process with a worker's thread count. run_study records
-it in study.json ("probe"); the ETA (study/eta.py `probe_scale`) scales its prior by the median ratio of
-probed to prior step times, so its first estimate is this machine's, before any job has finished. A replay
-of a recording uses the probe of the machine that recorded it; a study.json without one keeps the prior.
+For the smallest and the largest size of the study and each optimizer: `STEPS` timed training steps (after one
+untimed step, which builds the optimizer's state) of the run's model, optimizer, micro-batch and precision on
+random tokens, and one evaluation forward pass per size, in this process with a worker's thread count.
+run_study records it in study.json ("probe"); the ETA (study/eta.py `probe_scale`) scales its prior by the
+median ratio of probed to prior step times, so its first estimate is this machine's, before any job has
+finished. A replay of a recording uses the probe of the machine that recorded it; a study.json without one
+keeps the prior.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from typing import Any
 
 from optquant.study.spec import StudySpec, run_config
 
-STEPS = 5  # timed steps per (optimizer, size); the fastest is the probe's seconds per step (the least
-# interrupted by other work: the probe measures the shape across sizes and optimizers, the first jobs the load)
+STEPS = 5  # timed steps per (optimizer, size); the fastest is the probe's (the least interrupted by other work)
 
 
 def probe(spec: StudySpec, threads: int) -> dict[str, Any]:
