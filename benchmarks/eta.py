@@ -8,7 +8,9 @@ smoothing 0.3) over the planned job total (eta.plan_cells), grown when exceeded.
 Run: python benchmarks/eta.py STUDY_DIR  (reads STUDY_DIR/study.json and STUDY_DIR/costs.jsonl), or
 python benchmarks/eta.py tests/data/costs-cpu.jsonl (the fixture, its study-cpu.json beside it).
 `--fixture NAME` writes tests/data/costs-NAME.jsonl and study-NAME.json from a study directory, with only
-the fields the replay reads.
+the fields the replay reads. `--scale X` replays the recording as a machine X times slower would have run it
+(every time from the first start, and every job's seconds, × X); `--probe FILE` replays it with that probe
+(a study.json's "probe", or study/probe.py's output as JSON) in place of its own.
 """
 
 from __future__ import annotations
@@ -39,9 +41,16 @@ def load(path: Path) -> tuple[dict, list[dict]]:
     return json.loads(study.read_text()), records
 
 
+def scaled(records: list[dict], x: float) -> list[dict]:
+    """The records of a machine `x` times slower: times from the first start, and seconds, × x."""
+    t0 = min(r["start"] for r in records)
+    return [{**r, "start": t0 + x * (r["start"] - t0), "end": t0 + x * (r["end"] - t0), "seconds": x * r["seconds"]}
+            for r in records]
+
+
 def checkpoints(study: dict, records: list[dict]) -> list[dict]:
     """At 10/50/90 % of the wall time and of the jobs: the replay's row (t, jobs, true, eta, old)."""
-    rows = replay(spec_from_dict(study["spec"]), records)
+    rows = replay(spec_from_dict(study["spec"]), records, probe=study.get("probe"))
     total = rows[-1]["t"] + rows[-1]["true"]
     out = []
     for f in (0.1, 0.5, 0.9):
@@ -50,13 +59,13 @@ def checkpoints(study: dict, records: list[dict]) -> list[dict]:
     return out
 
 
-SHARES = (0.02, 0.05, 0.1, 0.25, 0.5, 0.9)
+SHARES = (0.0, 0.02, 0.05, 0.1, 0.25, 0.5, 0.9)
 
 
 def ratios(study: dict, records: list[dict]) -> dict[float, float]:
-    """ETA ÷ true remaining time at each share of the run's wall time in SHARES (issue 30's goal: within
-    [0.7, 1.3] from 5 % on)."""
-    rows = replay(spec_from_dict(study["spec"]), records)
+    """ETA ÷ true remaining time at each share of the run's wall time in SHARES (0: before the first job, the
+    probed prior alone; issue 30's goal: within [0.7, 1.3] from 5 % on)."""
+    rows = replay(spec_from_dict(study["spec"]), records, probe=study.get("probe"))
     total = rows[-1]["t"] + rows[-1]["true"]
     return {f: r["eta"] / r["true"] for f in SHARES for r in [next(r for r in rows if r["t"] >= f * total)]}
 
@@ -65,8 +74,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("path", type=Path)
     p.add_argument("--fixture", help="write tests/data/costs-NAME.jsonl and study-NAME.json")
+    p.add_argument("--scale", type=float, default=1.0, help="replay as a machine this many times slower")
+    p.add_argument("--probe", type=Path, help="a probe (JSON) to replay with")
     args = p.parse_args()
     study, records = load(args.path)
+    records = scaled(records, args.scale) if args.scale != 1.0 else records
+    if args.probe:
+        probe = json.loads(args.probe.read_text())
+        study = {**study, "probe": probe.get("probe", probe)}
     print("| share of the run's time | " + " | ".join(f"{f:.0%}" for f in SHARES) + " |")
     print("|---" * (len(SHARES) + 1) + "|")
     print("| ETA ÷ true remaining | " + " | ".join(f"{r:.2f}" for r in ratios(study, records).values()) + " |\n")

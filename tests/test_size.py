@@ -78,7 +78,9 @@ from pathlib import Path
 # Issue 29's typed StudySpec (+39 on its branch: run/per_optimizer/sweeps as typed dicts parsed once, with the reader
 # of the old study.json's k=v lists; LRSearch carrying its runs' seeds instead of results re-reading config.json):
 # 17,122 merged, budget 17,130.
-BUDGET = 17_130
+# Issue 30's ETA probe (+93 on its branch: study/probe.py, a per-step and per-job prior scaled by the probe, the
+# progress display fed by the executor's timing records): 17,215 merged, budget 17,220.
+BUDGET = 17_220
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

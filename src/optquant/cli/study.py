@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -73,7 +72,7 @@ def _study(args: argparse.Namespace) -> int:
 
     check_study_epochs(spec)  # before anything trains: no size may repeat its corpus past data.max_epochs
     root = args.out or Path("studies") / spec.name
-    progress = Progress(spec, root, args.quiet)
+    progress = Progress(spec, args.quiet)
     with logging_redirect_tqdm([logging.getLogger()]) if progress.bar else contextlib.nullcontext():
         try:
             report = run_study(spec, root, progress.on_event)
@@ -92,23 +91,21 @@ def _clock(s: float) -> str:
 
 class Progress:
     """The study's progress display: a bar driven by the cost model's share of estimated wall time
-    (optquant.study.eta), corrected by each costs.jsonl record as jobs finish, with a clock that keeps
+    (optquant.study.eta), priced by the study's probe and corrected by each job's timing record (the costs.jsonl
+    line the executor hands to the job event: the file is not read back), with a clock that keeps
     counting between completions (a ticker thread) and warnings written above the bar. Without a usable
     terminal (not a tty, or under 40 columns, as under `script` or some CI runners): plain timed lines, a
     status line at each stage and every 30 s."""
 
-    def __init__(self, spec, root: Path, quiet: bool, stream=sys.stderr):
+    def __init__(self, spec, quiet: bool, stream=sys.stderr):
         import threading
         import time
 
         from tqdm import tqdm
 
-        from optquant.runs import StudyDir
         from optquant.study.eta import CostETA
 
         self.eta, self.stream, self.quiet, self.stage = CostETA(spec, time.time()), stream, quiet, "start"
-        self.costs = StudyDir(root).costs
-        self.offset = self.costs.stat().st_size if self.costs.is_file() else 0  # a resumed study's old lines
         try:
             cols = os.get_terminal_size(stream.fileno()).columns if stream.isatty() else 0
         except (OSError, ValueError, AttributeError):
@@ -151,23 +148,10 @@ class Progress:
             with self.lock:
                 self._show(time.time())
 
-    def _new_records(self) -> dict[str, dict]:
-        if not self.costs.is_file():
-            return {}
-        with open(self.costs, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # whole lines only; a line being written is read next time
-        self.offset += end
-        out = {}
-        for line in data[:end].splitlines():
-            with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
-                r = json.loads(line)
-                out[r["key"]] = r
-        return out
-
     def on_event(self, event: dict) -> None:
         import time
+
+        from optquant.study.eta import plan_cells
 
         now = time.time()
         with self.lock:
@@ -181,10 +165,13 @@ class Progress:
                 self.last_line = now
                 self._show(now)
                 return
-            records = self._new_records()
-            for r in records.values():
-                self.eta.record(r)
-            if event["key"] not in records:  # answered from its files (a resumed study)
+            if event["event"] == "probe":  # before the first job: the prior in this machine's seconds
+                if event["probe"] is not None and not self.eta.jobs:
+                    self.eta.cells = plan_cells(self.eta.spec, event["probe"])
+                return
+            if event.get("timing") is not None:  # the executor's costs.jsonl line for the job that ran
+                self.eta.record(event["timing"])
+            else:  # answered from its files (a resumed study)
                 self.eta.skip(event["job_stage"], now)
             result = event["result"]
             loss = result.get("final_val_loss", result.get("delta_val_loss"))

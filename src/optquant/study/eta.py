@@ -1,17 +1,18 @@
 """A study's ETA from the cost model, corrected by the measured time of every finished job.
 
-Counting jobs makes a poor clock: a study's jobs differ a thousandfold in cost (a PTQ job takes a
-second, a QAT run at the largest size minutes), and the slow QAT stage comes after the fast PTQ jobs. So
-the plan is priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start: its
-expected job count (the table of stages, study/plan.py `STEPS`, each row at its `expected` share: one
-LR extension round per search, half of any other upper bound) and a prior cost per job (training FLOPs, or
-PTQ forward passes, at `CPU_FLOPS`; half the CL upper bound). Each costs.jsonl record (study/executor.py)
-then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best
-LR's runs, under the machine's current load); for CL and QAT, its FP twin's mean times the CL/FP or
-QAT/FP ratio measured in other cells; the prior scaled by the measured/prior ratio of the same class and
-optimizer, then class, then all jobs. A job of a later step of the table ends the earlier ones (their counts become
-what ran: extensions that never came are dropped), and the PTQ counts are recomputed from the FP
-runs that actually finished.
+Counting jobs makes a poor clock: a study's jobs differ a thousandfold in cost (a PTQ job takes a second, a
+QAT run at the largest size minutes), and the slow QAT stage comes after the fast PTQ jobs. So the plan is
+priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start: its expected job count
+(the table of stages, study/plan.py `STEPS`, each row at its `expected` share: one LR extension round per
+search, half of any other upper bound) and a prior cost per job (`PRIOR`: a fixed part per training step, or
+per PTQ job, plus its FLOPs at an effective rate; half the CL upper bound), scaled to this machine by the
+study's probe (study/probe.py, in study.json) when it has one. Each costs.jsonl record (study/executor.py)
+then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best LR's
+runs, under the machine's current load); for CL and QAT, its FP twin's mean times the CL/FP or QAT/FP ratio
+measured in other cells; the prior scaled by the measured/prior ratio of the same class and optimizer, then
+class, then all jobs. A job of a later step of the table ends the earlier ones (their counts become what ran:
+extensions that never came are dropped), and the PTQ counts are recomputed from the FP runs that actually
+finished.
 
 remaining wall time = remaining worker-seconds / measured parallelism (worker-seconds done per second of
 wall time, between 1 and `workers`) − the time since the last completion; the display counts down
@@ -28,7 +29,13 @@ from dataclasses import dataclass, field
 from optquant.study.plan import STEPS, last_phase, phase, planned
 from optquant.study.spec import StudySpec, run_config
 
-CPU_FLOPS = 2e9  # prior effective FLOP/s of one CPU worker on these small models; corrected by the first jobs
+# The prior seconds of a job for one worker: a fixed part (per training step, or per PTQ/outlier job: Python,
+# the optimizer's per-tensor work, loading a model) plus its FLOPs at an effective rate. Fitted to the default
+# study recorded on the idle 2-core machine (tests/data/costs-cpu.jsonl); a probe (study/probe.py) rescales it
+# to the machine that runs the study, the first finished jobs to its load. What matters beyond the level is its
+# shape across sizes: a FLOPs-only prior made the smallest size's jobs (mostly fixed cost) predict the
+# largest's 3× too slow.
+PRIOR = {"fp": (0.0096, 2.5e10), "ptq": (0.12, 1.8e10)}  # (fixed s, FLOP/s)
 QAT_OVER_FP = 1.3  # prior QAT/FP cost ratio (QuEST's quantizers), corrected once a QAT run finishes
 RECENT = 3  # a cell's estimate is the mean of its last RECENT jobs
 PRIOR_WEIGHT_S = 60.0  # the parallelism prior counts as this many seconds of observed wall time
@@ -49,20 +56,35 @@ class Cell:
         return sum(self.recent) / len(self.recent) if self.recent else math.nan
 
 
-def plan_cells(spec: StudySpec) -> dict[tuple[str, str, str], Cell]:
-    """(class, optimizer, size) → its expected jobs and prior seconds per job, from the StudySpec alone:
-    the table of stages (study/plan.py `planned`, each row at the share it is expected to run) and its FLOPs."""
+def _step_prior(b) -> float:
+    """Prior seconds of one FP training step of budget `b` (a dryrun RunCost)."""
+    return PRIOR["fp"][0] + b.flops / b.steps / PRIOR["fp"][1]
+
+
+def probe_scale(budgets: dict, probe: dict | None) -> float:
+    """This machine's speed relative to the prior: the median over the probed (optimizer, size) of probed over
+    prior seconds per training step (1: no probe, an old study.json)."""
+    ratios = sorted(t / _step_prior(budgets[(o, s)]) for o, row in ((probe or {}).get("step") or {}).items()
+                    for s, t in row.items() if (o, s) in budgets and t > 0)
+    return ratios[len(ratios) // 2] if ratios else 1.0
+
+
+def plan_cells(spec: StudySpec, probe: dict | None = None) -> dict[tuple[str, str, str], Cell]:
+    """(class, optimizer, size) → its expected jobs and prior seconds per job, from the StudySpec and the probe:
+    the table of stages (study/plan.py `planned`, each row at the share it is expected to run), its FLOPs and
+    steps at `PRIOR`, scaled by `probe_scale`."""
     from optquant.cost import DEFAULT_GPU, EVAL_FORWARDS, eval_flops
     from optquant.study.dryrun import cl_fraction, run_costs
 
     budgets, runs = run_costs(spec, DEFAULT_GPU), defaultdict(Counter)
     for st, jobs in planned(spec, expected=True):
         runs[st.kind].update(jobs)
-    out = {}
+    out, k = {}, probe_scale(budgets, probe)
     for (o, s), b in budgets.items():
         cfg = run_config(spec, s, o)
-        forward = {kind: eval_flops(cfg, b.n_params, n) / CPU_FLOPS for kind, n in EVAL_FORWARDS.items()}
-        train = b.flops / CPU_FLOPS
+        forward = {kind: k * (PRIOR["ptq"][0] + eval_flops(cfg, b.n_params, n) / PRIOR["ptq"][1])
+                   for kind, n in EVAL_FORWARDS.items()}
+        train = k * (b.steps * PRIOR["fp"][0] + b.flops / PRIOR["fp"][1])
         out[("fp", o, s)] = Cell(runs["fp"][(o, s)], train)
         # cl_fraction is an upper bound (a CL run stops at its crossing, on average halfway through the interval)
         out[("cl", o, s)] = Cell(runs["cl"][(o, s)], train * cl_fraction(spec, o, s, b) / 2)
@@ -76,9 +98,9 @@ def plan_cells(spec: StudySpec) -> dict[tuple[str, str, str], Cell]:
 class CostETA:
     """The remaining wall time of a study, from its planned cells and the jobs measured so far."""
 
-    def __init__(self, spec: StudySpec, start: float, cells: dict | None = None):
+    def __init__(self, spec: StudySpec, start: float, cells: dict | None = None, probe: dict | None = None):
         self.spec, self.start, self.t_last = spec, start, start
-        self.cells = plan_cells(spec) if cells is None else cells
+        self.cells = plan_cells(spec, probe) if cells is None else cells
         self.workers = max(1, spec.workers if spec.executor == "local" else 1)
         self.busy, self.phase, self.jobs = 0.0, 0, 0
 
@@ -178,17 +200,19 @@ class CostETA:
         return round(sum(max(c.planned, c.done) for c in self.cells.values()))
 
 
-def replay(spec: StudySpec, records: list[dict], start: float | None = None) -> list[dict]:
-    """Feed a recorded costs.jsonl in order of completion; after each job: the time, jobs done, the true
-    remaining time (to the last job's end), this module's ETA and tqdm's job-count ETA as `optquant
-    study` showed it before (total = the planned jobs, grown when exceeded; tqdm's EMA rate, smoothing 0.3)."""
+def replay(spec: StudySpec, records: list[dict], start: float | None = None, probe: dict | None = None) -> list[dict]:
+    """Feed a recorded costs.jsonl in order of completion; at the start (the probed prior alone) and after each job:
+    the time, jobs done, the true remaining time (to the last job's end), this module's ETA (priced by
+    `probe`, the study.json's) and tqdm's job-count ETA as `optquant study` showed it before (total = the
+    planned jobs, grown when exceeded; tqdm's EMA rate, smoothing 0.3)."""
     from tqdm.std import EMA
 
     records = sorted(records, key=lambda r: r["end"])
     start = min(r["start"] for r in records) if start is None else start
-    end, est = records[-1]["end"], CostETA(spec, start)
+    end, est = records[-1]["end"], CostETA(spec, start, probe=probe)
     total = round(sum(c.planned for c in est.cells.values()))
-    dn, dt, last_t, last_n, out = EMA(0.3), EMA(0.3), start, 0, []
+    dn, dt, last_t, last_n = EMA(0.3), EMA(0.3), start, 0
+    out = [{"t": 0.0, "jobs": 0, "true": end - start, "eta": est.eta(start), "old": math.nan}]  # the prior's
     for i, r in enumerate(records, 1):
         est.record(r)
         t = r["end"]

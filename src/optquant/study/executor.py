@@ -197,11 +197,12 @@ def run_submitit(jobs: list[Job], folder: Path, cluster: str | None,
 
 
 def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
-            on_done: Callable[[Job, Result], None] | None = None,
+            on_done: Callable[[Job, Result, dict | None], None] | None = None,
             costs: Path | None = None, pool: WorkerPool | None = None) -> dict[str, Result]:
     """Run `jobs` with the chosen executor; returns key → result. Jobs already done are read, not
     run; each job that runs is logged to `costs` (default: costs.jsonl beside `folder`, i.e. in the
-    study directory; no log without either). `pool`: local workers to reuse (a study's)."""
+    study directory; no log without either). `on_done(job, result, record)`: record is the job's costs.jsonl
+    line (None: answered from its files). `pool`: local workers to reuse (a study's)."""
     if costs is None and folder is not None:
         costs = StudyDir(Path(folder).parent).costs
     results, todo = {}, []
@@ -212,7 +213,7 @@ def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
             continue
         results[job.key] = done
         if on_done is not None:
-            on_done(job, done)
+            on_done(job, done, None)
     todo = longest_first(todo)
     if executor == "local":
         stream = run_local(todo, workers, pool)
@@ -221,8 +222,9 @@ def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
     n_workers = workers if executor == "local" else len(todo)
     for job, (result, timing) in stream:
         results[job.key] = result
+        record = timing_record(job, timing, max(1, min(n_workers, len(todo))))
         if costs is not None:
-            append_timing(costs, timing_record(job, timing, max(1, min(n_workers, len(todo)))))
+            append_timing(costs, record)
         if on_done is not None:
-            on_done(job, result)
+            on_done(job, result, record)
     return results

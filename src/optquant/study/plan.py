@@ -63,8 +63,8 @@ class Study:
     def run(self, stage: str, jobs: list[Job]) -> dict[str, Result]:
         self.emit(event="stage", stage=stage, jobs=len(jobs))
         return execute(jobs, self.spec.executor, self.spec.workers, self.dir.submitit,
-                       lambda job, result: self.emit(event="job", stage=stage, key=job.key, job_stage=job.stage,
-                                                     result=result),
+                       lambda job, result, timing: self.emit(event="job", stage=stage, key=job.key,
+                                                             job_stage=job.stage, result=result, timing=timing),
                        pool=self.pool)
 
     def train(self, stage: str, cfgs: dict[Hashable, RunConfig]) -> dict[Hashable, Result]:
@@ -449,8 +449,10 @@ def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Pat
     with WorkerPool(spec.workers) as pool:  # started by the first batch that needs it
         study = Study(spec, Path(root), on_event, pool)
         study.root.mkdir(parents=True, exist_ok=True)
+        probed = _probe(spec)
+        study.emit(event="probe", probe=probed)
         atomic_write_json(study.dir.study, {"spec": spec_to_dict(spec), "sizes": _sizes(spec), "machine": machine(spec),
-                                            "search_seed": search_seed(spec.seeds)})
+                                            "search_seed": search_seed(spec.seeds), "probe": probed})
         state = State()
         for step in STEPS:
             step.run(study, state)
@@ -469,6 +471,20 @@ def warn_unconverged(study: Study, found: dict[Key, LRSearch]) -> list[str]:
             log.warning(message)
         study.emit(event="warning", message=message)
     return messages
+
+
+def _probe(spec: StudySpec) -> dict[str, Any] | None:
+    """This machine's speed on the study's shapes for the ETA (study/probe.py): local executors only (a Slurm
+    job runs elsewhere); a probe that fails (a plugin that cannot step on random tokens) is none."""
+    from optquant.study.probe import probe
+
+    if spec.executor != "local":
+        return None
+    try:
+        return probe(spec, threads_per_worker(spec.workers))
+    except Exception:
+        log.debug("no probe", exc_info=True)
+        return None
 
 
 def machine(spec: StudySpec) -> dict[str, Any]:
