@@ -449,6 +449,18 @@ def test_seed_plan_is_the_pooled_seed_spread_of_the_plain_runs_at_the_two_larges
     assert row["n for −30 %"] == str(first["needed"]) and row["seeds per size"] == str(-(-first["needed"] // 2))
 
 
+def test_a_studys_robust_entries_are_checked_as_runs_before_anything_trains():
+    from dataclasses import replace
+
+    from optquant.study.spec import smoke
+    from optquant.study.validate import validate_spec
+
+    validate_spec(replace(smoke(), robust=("model.block=op", "model.attn_gate=true", "lawa:2")))
+    for bad, why in (("model.blok=op", "unknown field 'blok'"), ("penalty:-1", "λ must be >= 0")):
+        with pytest.raises(OptquantError, match=f"robust={bad}: .*{why}"):
+            validate_spec(replace(smoke(), robust=(bad,)))
+
+
 def test_seed_table_takes_the_scheme_the_arm_is_judged_on(tmp_path):
     """Not a fixed W4A4 RTN: the Robustness table's scheme (robust.parquet's first CL scheme), before the arm
     ran the study's first PTQ scheme (study.json), else results.parquet's first CL scheme."""
