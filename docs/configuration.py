@@ -417,7 +417,8 @@ def study_sections() -> str:
                "optimizers": f"{names(OPTIMIZERS)} or a plugin",
                "ptq_schemes": schemes, "sweep_ptq_schemes": schemes,
                "robust": "entries `method[:strength[:every]]`, method one of " + names(ROBUST_METHODS[1:])
-                         + ", or `decay:FRACTION` (the plain run with train.decay_frac=FRACTION)"}
+                         + ", or `decay:FRACTION` (the plain run with train.decay_frac=FRACTION), or "
+                         "`model.FIELD=VALUE` (the plain run with that architecture option)"}
     keys = {"lrs": "lrs.<optimizer>", "sweeps": "sweeps.<optimizer>.<run key>", "run": "run",
             "per_optimizer": "per_optimizer"}
     rows = field_rows(StudySpec, "", choices=choices, skip=("eval",), keys=keys)

@@ -449,6 +449,45 @@ def test_seed_plan_is_the_pooled_seed_spread_of_the_plain_runs_at_the_two_larges
     assert row["n for −30 %"] == str(first["needed"]) and row["seeds per size"] == str(-(-first["needed"] // 2))
 
 
+def test_a_studys_robust_entries_are_checked_as_runs_before_anything_trains():
+    from dataclasses import replace
+
+    from optquant.study.spec import smoke
+    from optquant.study.validate import validate_spec
+
+    validate_spec(replace(smoke(), robust=("model.block=op", "model.attn_gate=true", "lawa:2")))
+    for bad, why in (("model.blok=op", "unknown field 'blok'"), ("penalty:-1", "λ must be >= 0")):
+        with pytest.raises(OptquantError, match=f"robust={bad}: .*{why}"):
+            validate_spec(replace(smoke(), robust=(bad,)))
+
+
+def test_seed_table_takes_the_scheme_the_arm_is_judged_on(tmp_path):
+    """Not a fixed W4A4 RTN: the Robustness table's scheme (robust.parquet's first CL scheme), before the arm
+    ran the study's first PTQ scheme (study.json), else results.parquet's first CL scheme."""
+    import shutil
+    from pathlib import Path
+
+    from optquant.files import atomic_write_json
+    from optquant.report.robust import RECOMMENDED_ARM, robust_section, seed_table
+
+    src = Path(__file__).parents[1] / "docs" / "results" / "results.parquet"
+    shutil.copy(src, tmp_path / "results.parquet")
+    results = pd.read_parquet(src)
+
+    def seeds():
+        return next(b for b in robust_section(tmp_path, tmp_path / "fig").blocks if b.key == "robust-seeds")
+
+    first = list(dict.fromkeys(results.loc[results["kind"] == "cl", "scheme"]))[0]
+    assert seeds().rows == seed_table(results, first, RECOMMENDED_ARM).rows  # no study.json
+    atomic_write_json(tmp_path / "study.json", {"spec": {"ptq_schemes": ["w4a4-gptq", first], "robust": ["ema:0.9"]}})
+    assert "(w4a4-gptq)" in seeds().title and seeds().rows == seed_table(results, "w4a4-gptq", ("ema:0.9",)).rows
+    assert seeds().rows != seed_table(results, first, ("ema:0.9",)).rows  # the scheme changes the numbers
+    df = pd.read_parquet(Path(__file__).parent / "data" / ROBUST_SMOKE)
+    had = df["scheme"] == "w4a4-rtn-had"  # the arm's rows with W4A4 RTN+Hadamard as its first CL scheme
+    pd.concat([df[had], df[~had]]).to_parquet(tmp_path / "robust.parquet")
+    assert "(w4a4-rtn-had)" in seeds().title and seeds().rows == seed_table(results, "w4a4-rtn-had", ("ema:0.9",)).rows
+
+
 ROBUST_SMOKE = "robust-smoke.parquet"  # robust.parquet of `optquant study --preset smoke --set robust=...` (README)
 
 

@@ -80,7 +80,9 @@ from pathlib import Path
 # 17,122 merged, budget 17,130.
 # Issue 30's ETA probe (+93 on its branch: study/probe.py, a per-step and per-job prior scaled by the probe, the
 # progress display fed by the executor's timing records): 17,215 merged, budget 17,220.
-BUDGET = 17_220
+# Issue 32's architecture arms (+41 on its branch: model.block=op, He et al.'s Outlier Protected block, and
+# model.attn_gate, Qwen's gated attention; the Seeds table's scheme from the arm): 17,256 merged, budget 17,260.
+BUDGET = 17_260
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

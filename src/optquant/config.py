@@ -106,7 +106,7 @@ def config_hash(cfg: Any) -> str:
     """The run id's hash. Left out: `log` (where a run is logged), `preset` (a label), `train.compile` (how
     it executes) and `data.max_epochs` (a guard) are not which run it is, and run ids from before those settings
     existed stay valid; so does `robust` with method "none" (the plain run, as before the section existed) and
-`model.norm`/`model.embed_proj` at their defaults. A
+`model.norm`/`model.embed_proj`/`model.block`/`model.attn_gate` at their defaults. A
     renamed optimizer field is hashed under its old name (the config's LEGACY_NAMES), so the rename kept every
     run id."""
     data = to_dict(cfg)
@@ -117,7 +117,7 @@ def config_hash(cfg: Any) -> str:
         data.pop("preset", None)
         if cfg.robust.method == "none":
             data.pop("robust", None)
-        for name, default in (("norm", "rms"), ("embed_proj", False)):  # OSP's options, off: as before them
+        for name, default in (("norm", "rms"), ("embed_proj", False), ("block", "standard"), ("attn_gate", False)):
             if data["model"].get(name) == default:
                 data["model"].pop(name)
     if isinstance(data.get("train"), dict):

@@ -26,6 +26,18 @@ dmis-lab/Outlier-Safe-Pre-Training, example_modeling_flax.py), both off by defau
   FP, as the merged inference model (P_in folded into the embedding, P_out into the head) has no such
   layer; in the optimizer groups they are matrices (Muon's, as OSP trains them). Their Flax layers carry
   a bias (DenseGeneral's default); ours are bias-free, as the rest of this model.
+
+Architecture options against outliers (issue 32), both off by default (every run id stays):
+- `block="op"`: the Outlier Protected block of He et al. 2024 (arXiv 2405.19279, §4, Fig. 3), from the paper's
+  text (no reference code was found): no norm inside the block (neither llama's pre-norms nor OLMo2's
+  post-sublayer norms), each sublayer x + β·f(x) with a learnable scalar β per branch (the downweighted
+  residual; initialised to 1/√(2·n_layer), the 1/√depth of signal propagation over the 2·n_layer branches:
+  the paper gives no number we could check), and QK-norm as the entropy regulation (OLMo2's, switched on for
+  llama too). The final norm before the head is kept; the paper's optional MLP input scaling is left out.
+- `attn_gate=True`: gated attention (Qiu et al. 2025, Qwen, arXiv 2505.06708, the G1 position): the SDPA
+  output, heads concatenated, is multiplied elementwise by σ(x·W_gᵀ) before o_proj, x the attention's input
+  (what q/k/v read) and W_g a D×D `gate_proj` (a head-specific, elementwise gate; an nn.Linear, so PTQ
+  quantizes it like q_proj, into which Qwen3-Next fuses it).
 """
 
 from __future__ import annotations
@@ -57,6 +69,8 @@ class ModelConfig:
     init_std: Positive = 0.02
     norm: Literal["rms", "single"] = "rms"  # "single": OSP's single-scale RMSNorm (module docstring)
     embed_proj: bool = False  # OSP's learned embedding projections (module docstring)
+    block: Literal["standard", "op"] = "standard"  # "op": He et al.'s Outlier Protected block (module docstring)
+    attn_gate: bool = False  # Qwen's gated attention: σ(x W_gᵀ) ⊙ SDPA output before o_proj (module docstring)
 
     @property
     def head_dim(self) -> int:
@@ -174,7 +188,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.qk_norm = cfg.arch == "olmo2"
+        if cfg.attn_gate:
+            self.gate_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.qk_norm = cfg.arch == "olmo2" or cfg.block == "op"
         if self.qk_norm:
             self.qk_scale = nn.Parameter(torch.full((1, cfg.n_head, 1, 1), math.sqrt(cfg.head_dim)))
         cos, sin = rope_cache(cfg.seq_len, cfg.head_dim, cfg.rope_base)
@@ -197,7 +213,10 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=self.n_kv_head != self.n_head
         )
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, D)
+        if hasattr(self, "gate_proj"):
+            y = y * torch.sigmoid(self.gate_proj(x))
+        return self.o_proj(y)
 
 
 class MLP(nn.Module):
@@ -218,15 +237,21 @@ class MLP(nn.Module):
 
 
 class Residual(nn.Module):
-    """One residual sublayer: x + norm(f(x)) (olmo2, post-sublayer norm) or x + f(norm(x)) (llama)."""
+    """One residual sublayer: x + norm(f(x)) (olmo2, post-sublayer norm) or x + f(norm(x)) (llama), or
+    x + β·f(x) in the OP block (no norm: `norm` is None)."""
 
     def __init__(self, inner: nn.Module, cfg: ModelConfig):
         super().__init__()
         self.inner = inner
-        self.norm = make_norm(cfg)  # torch default eps, as the authors
-        self.post_norm = cfg.arch == "olmo2"
+        op = cfg.block == "op"
+        self.norm = None if op else make_norm(cfg)  # torch default eps, as the authors
+        self.post_norm = cfg.arch == "olmo2" and not op
+        if op:
+            self.beta = nn.Parameter(torch.tensor(1 / math.sqrt(2 * cfg.n_layer)))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.norm is None:
+            return x + self.beta * self.inner(x)
         if self.post_norm:
             return x + self.norm(self.inner(x))
         return x + self.inner(self.norm(x))

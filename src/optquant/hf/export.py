@@ -125,6 +125,9 @@ def export_hf(run_dir: Path, out: Path, weights: Weights = "final", force: bool 
     if cfg.model.norm != "rms" or cfg.model.embed_proj:
         raise OptquantError(f"{run_dir}: OSP's model.norm=single / model.embed_proj are not exported (no merge "
                             "into LlamaForCausalLM's weights is written)")
+    if cfg.model.block != "standard" or cfg.model.attn_gate:
+        raise OptquantError(f"{run_dir}: model.block=op / model.attn_gate have no LlamaForCausalLM equivalent; "
+                            "they are not exported")
     data = run_tokens(run_dir, cfg)
     hf = transformers.LlamaForCausalLM(llama_config(model, data.eot_id))
     missing, unexpected = hf.load_state_dict(llama_state_dict(model), strict=False)

@@ -71,13 +71,17 @@ def entry_overrides(entry: str) -> tuple[str, ...]:
     """A study's robust-arm entry `method[:strength[:every]]` (e.g. `penalty:0.3:4`) as run overrides;
     `decay:f` is the plain run with train.decay_frac=f: `decay:0` has no decay, so its final model is the
     end of the stable phase at the same budget (a WSD run's weights up to its decay do not depend on the
-    decay's length), and `decay:0.1`, `decay:0.4` vary the decay's length against the plain 0.2."""
+    decay's length), and `decay:0.1`, `decay:0.4` vary the decay's length against the plain 0.2. An entry
+    `model.FIELD=VALUE` is the plain run with that architecture option, e.g. `model.block=op` (the Outlier
+    Protected block) or `model.attn_gate=true` (gated attention; model.py)."""
+    if entry.startswith("model.") and "=" in entry:  # an architecture option as the arm
+        return (entry,)
     parts = entry.split(":")
     method, strength, every = (*parts, "", "")[:3]
     if method == "decay" and len(parts) == 2 and strength:  # the LR decay as the variable (no robust method)
         return (f"train.decay_frac={strength}",)
     if len(parts) > 3 or method not in ROBUST_METHODS[1:]:
         raise OptquantError(f"robust={entry!r}: expected method[:strength[:every]] with method one of "
-                            f"{', '.join(ROBUST_METHODS[1:])}, or decay:FRACTION")
+                            f"{', '.join(ROBUST_METHODS[1:])}, or decay:FRACTION, or model.FIELD=VALUE")
     return (f"robust.method={method}", *((f"robust.strength={strength}",) if strength else ()),
             *((f"robust.every={every}",) if every else ()))

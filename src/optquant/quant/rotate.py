@@ -150,9 +150,8 @@ def _output_linear(residual: Residual) -> nn.Linear:
 def _input_linears(residual: Residual) -> list[nn.Linear]:
     """The linears that read the sublayer's input (the residual stream, or its pre-norm)."""
     inner = residual.inner
-    if _is_attention(inner):
-        return [inner.q_proj, inner.k_proj, inner.v_proj]
-    return [inner.up_proj] + ([inner.gate_proj] if hasattr(inner, "gate_proj") else [])
+    gate = [inner.gate_proj] if hasattr(inner, "gate_proj") else []  # SwiGLU's, or gated attention's
+    return [inner.q_proj, inner.k_proj, inner.v_proj, *gate] if _is_attention(inner) else [inner.up_proj, *gate]
 
 
 @torch.no_grad()
@@ -172,7 +171,7 @@ def fuse_norms_(model: LM) -> None:
     if model.lm_head.weight is model.embed.weight:
         raise OptquantError("fuse_norms_ needs an untied head: call untie_head_(model) first")
     norms = [(model.norm, [model.lm_head])]
-    norms += [(sub.norm, _input_linears(sub)) for sub in model.sublayers() if not sub.post_norm]
+    norms += [(s.norm, _input_linears(s)) for s in model.sublayers() if not s.post_norm and s.norm is not None]
     for norm, linears in norms:
         g = norm.weight.detach().double()
         for linear in linears:

@@ -272,14 +272,15 @@ def robust_section(root: Path, fig_dir: Path) -> Section:
              "run until its switch step, so where it reaches the Common Loss before the switch its CL model is "
              "the plain one (a difference of exactly 0); its final model shows what QAT changed.")
     sd = StudyDir(root)
-    path, spec, results = sd.robust, _spec(sd), sd.results
-    plan = (seed_table(read_parquet(results), "w4a4-rtn", (spec and spec.robust) or RECOMMENDED_ARM),) \
-        if results.is_file() else ()
-    if not path.is_file():
+    path, spec = sd.robust, _spec(sd)
+    df = read_parquet(path) if path.is_file() else None
+    schemes = [] if df is None else list(dict.fromkeys(df.loc[df["weights"] == "cl", "scheme"]))
+    results = read_parquet(sd.results) if sd.results.is_file() else None
+    scheme = None if results is None else damage_scheme(spec, schemes, results)
+    plan = () if scheme is None else (seed_table(results, scheme, (spec and spec.robust) or RECOMMENDED_ARM),)
+    if df is None:
         return Section("robust", "Robust training", intro,
                        (not_run("robust", "Robustness", "the study has no robust arm (robust=...)"), *plan))
-    df = read_parquet(path)
-    schemes = list(dict.fromkeys(df.loc[df["weights"] == "cl", "scheme"]))
     if not schemes:
         return Section("robust", "Robust training", intro, (not_run("robust", "Robustness", "no CL rows"),))
     table, cells = robustness_table(df, schemes[0])
@@ -288,6 +289,13 @@ def robust_section(root: Path, fig_dir: Path) -> Section:
     return Section("robust", "Robust training", intro,
                    (table, *filter(None, [decay]), scheme_table(df, schemes), ranking_table(df, schemes[0]),
                     *plan, fig_pareto(df, schemes[0], fig_dir)))
+
+
+def damage_scheme(spec: StudySpec | None, schemes: list[str], results: pd.DataFrame) -> str | None:
+    """The scheme the robust arm is judged on: the Robustness table's (robust.parquet's first CL scheme), before
+    the arm has run the study's first PTQ scheme (study/robust.py's), else the plain runs' first CL scheme."""
+    cl = list(dict.fromkeys(results.loc[results["kind"] == "cl", "scheme"]))
+    return next(iter([*schemes, *(spec.ptq_schemes[:1] if spec else ()), *cl[:1]]), None)
 
 
 def _spec(sd: StudyDir) -> StudySpec | None:

@@ -5,7 +5,7 @@ Counts are ≥ 1 (`lr_points`, `cl_eval_every`; `lr_extensions` ≥ 0), the LR r
 [1, cores × 4] locally (at most 1024 elsewhere), lists non-empty and free of duplicates (sizes,
 optimizers, seeds, LR grids, sweep values, schemes, QAT bits). Every run the spec describes is built
 once through the run config's own validation (presets, `run=`, `per_optimizer`, each LR and seed, each
-sweep value, each QAT width), so a value the training would reject (a negative LR, a sweep value "z",
+sweep value, each QAT width, each robust entry), so a value the training would reject (a negative LR, a sweep value "z",
 a seed of -1, a name that is a path) is rejected here.
 
 Left out on purpose: `ptq_schemes`, `sweep_ptq_schemes` and `qat_bits` may be empty (a study without
@@ -22,7 +22,7 @@ from optquant.config import MAX_NAME, NAME
 from optquant.errors import OptquantError
 from optquant.optim import OPTIMIZERS, is_optimizer
 from optquant.quant.ptq import SCHEMES
-from optquant.study.spec import StudySpec, lr_grid, run_config, search_seed
+from optquant.study.spec import StudySpec, lr_grid, robust_settings, run_config, search_seed
 
 REMOTE_WORKERS = 1024  # the stated cap of concurrent jobs for the Slurm executors
 
@@ -88,6 +88,8 @@ def _check_runs(spec: StudySpec) -> None:
             for b in spec.qat_bits:
                 _run(spec, f"qat_bits={b}", size, opt, None, search_seed(spec.seeds),
                      {"qat.method": "quest", "qat.w_bits": b, "qat.a_bits": b})
+            for entry in spec.robust:
+                _run(spec, f"robust={entry}", size, opt, None, search_seed(spec.seeds), extra=robust_settings(entry))
         for param, values in spec.sweeps.get(opt, {}).items():
             _list(f"sweeps.{opt}.{param}", values)
             for v in values:
