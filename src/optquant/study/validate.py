@@ -89,7 +89,11 @@ def _check_runs(spec: StudySpec) -> None:
                 _run(spec, f"qat_bits={b}", size, opt, None, search_seed(spec.seeds),
                      {"qat.method": "quest", "qat.w_bits": b, "qat.a_bits": b})
             for entry in spec.robust:
-                _run(spec, f"robust={entry}", size, opt, None, search_seed(spec.seeds), extra=robust_settings(entry))
+                try:
+                    extra = robust_settings(entry)
+                except OptquantError as e:
+                    raise OptquantError(f"robust={entry}: {e}") from None
+                _run(spec, f"robust={entry}", size, opt, None, search_seed(spec.seeds), extra=extra)
         for param, values in spec.sweeps.get(opt, {}).items():
             _list(f"sweeps.{opt}.{param}", values)
             for v in values:
