@@ -193,7 +193,7 @@ def loader_rates(prepared: Path) -> list[str]:
 
     from optquant.cost import GPUConfig, run_cost
     from optquant.data import DataConfig, get_batch, load_tokens
-    from optquant.study.spec import gpu, run_config
+    from optquant.study_spec import gpu, run_config
 
     spec = gpu()
     cfg = run_config(spec, spec.sizes[0], "adamw")

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from optquant.study.eta import replay
-from optquant.study.spec import spec_from_dict
+from optquant.study_spec import spec_from_dict
 
 FIELDS = ("stage", "optimizer", "size", "start", "end", "seconds")
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"

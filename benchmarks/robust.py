@@ -25,7 +25,7 @@ from optquant.device import keep_freed_memory
 from optquant.optim import build_optimizers
 from optquant.quant.robust import Robust
 from optquant.quant.robust_config import RobustConfig
-from optquant.study.spec import cpu, run_config
+from optquant.study_spec import cpu, run_config
 from optquant.train import build_model, get_batch, lm_loss
 
 VARIANTS: dict[str, RobustConfig | None] = {

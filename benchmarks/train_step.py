@@ -23,7 +23,7 @@ import torch
 import optquant.optim.psgd as psgd
 from optquant.device import keep_freed_memory
 from optquant.optim import build_optimizers
-from optquant.study.spec import cpu, run_config
+from optquant.study_spec import cpu, run_config
 from optquant.train import build_model, get_batch, lm_loss
 
 FAST, PLAIN = psgd.memoised_einsum_paths, contextlib.nullcontext

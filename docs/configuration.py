@@ -410,7 +410,7 @@ def study_sections() -> str:
     from optquant.quant.ptq import SCHEMES
     from optquant.quant.robust_config import ROBUST_METHODS
     from optquant.study import validate
-    from optquant.study.spec import STUDY_PRESETS, StudySpec
+    from optquant.study_spec import STUDY_PRESETS, StudySpec
 
     schemes = names(SCHEMES)
     choices = {"sizes": f"size presets: {names(MODEL_PRESETS)}",
@@ -432,7 +432,7 @@ def study_sections() -> str:
              f"({names(STUDY_PRESETS)}; default `cpu`). The *default* column is the dataclass default, which the "
              "preset overrides ([Study presets](#study-presets)). Besides each field's type, study/validate.py "
              f"checks (its docstring): {checks}")
-    out = ["## Study settings (`optquant study --set`)\n", section("`StudySpec` (study/spec.py)", intro, rows)]
+    out = ["## Study settings (`optquant study --set`)\n", section("`StudySpec` (study_spec.py)", intro, rows)]
     out.append(section("`eval.*` (`HarnessConfig`, harness.py)",
                        class_doc(HarnessConfig) + " Needs `optquant[eval]` and the task data offline.",
                        field_rows(HarnessConfig, "eval.")))
@@ -472,7 +472,7 @@ def preset_section() -> str:
 
     from optquant.config import RUN_PRESETS, run_preset
     from optquant.model import LM, count_params
-    from optquant.study.spec import STUDY_PRESETS, run_config
+    from optquant.study_spec import STUDY_PRESETS, run_config
 
     def counts(model_cfg) -> tuple[int, int]:
         with torch.device("meta"):  # shapes only: the 1.5B model costs no memory
@@ -502,7 +502,7 @@ def preset_section() -> str:
                       f"{spec.lr_points} × {spec.lr_step:g}", fmt_value(spec.tune_groups), spec.executor,
                       " ".join(f"`{r}`" for r in spec.run)))
     out += ["### Study presets\n",
-            "`optquant study --preset NAME` (study/spec.py; each preset's docstring says why it is sized so). Sizes "
+            "`optquant study --preset NAME` (study_spec.py; each preset's docstring says why it is sized so). Sizes "
             "with their non-embedding parameters at the study's vocabulary.\n",
             table(("preset", "sizes (non-embedding parameters)", "vocab", "seeds", "LR grid (points × step)",
                    "tune_groups", "executor", "run overrides"), srows)]

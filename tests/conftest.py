@@ -72,7 +72,7 @@ def smoke_study(tmp_path_factory, corpus):
     2 PTQ schemes, with a 2-point sweep of Muon's momentum (~30 s on one core). test_study checks the pipeline
     on it, test_report the report. Tests that change files must copy it first."""
     from optquant.study.plan import run_study
-    from optquant.study.spec import apply_study_overrides, study_preset
+    from optquant.study_spec import apply_study_overrides, study_preset
 
     spec = apply_study_overrides(study_preset("smoke"), [f"run=data.source={corpus}", *SMOKE_OVERRIDES])
     root = tmp_path_factory.mktemp("smoke") / "study"

@@ -323,7 +323,7 @@ def test_the_study_plans_each_cl_model_once_and_the_report_shows_them(nano_run, 
     from optquant.report.bit_plans import bits_section
     from optquant.report.figures import Plot
     from optquant.study.plan import State, Study, bits_stage
-    from optquant.study.spec import study_preset
+    from optquant.study_spec import study_preset
 
     assert bits_section(tmp_path, tmp_path / "figures") is None
     study = Study(study_preset("smoke"), tmp_path)

@@ -74,9 +74,9 @@ def test_ptq_and_analyze_on_a_trained_run(corpus, tmp_path, capsys):
 
 
 def test_every_study_preset_is_a_cli_preset(capsys):
-    """`optquant study --preset NAME` takes every preset of study/spec.py (cpu-thorough too, which the CLI
+    """`optquant study --preset NAME` takes every preset of study_spec.py (cpu-thorough too, which the CLI
     once refused as an invalid choice); an unknown one is one line listing them."""
-    from optquant.study.spec import STUDY_PRESETS
+    from optquant.study_spec import STUDY_PRESETS
 
     assert "cpu-thorough" in STUDY_PRESETS
     assert main(["study", "--preset", "cpu-thorough", "--dry-run", "--set", "sizes=zepto"]) == 0

@@ -21,7 +21,7 @@ from optquant.errors import OptquantError
 from optquant.model import LM, count_params, lm_loss
 from optquant.optim import OPTIMIZERS, build_optimizers, state_bytes
 from optquant.study.dryrun import stages
-from optquant.study.spec import study_preset
+from optquant.study_spec import study_preset
 
 # caps below the vocabulary (and, for Shampoo, below a hidden width) so every fallback path runs
 CAPS = {"psgd": ("optim.max_precondition_dim=256",), "soap": ("optim.max_precondition_dim=256",),

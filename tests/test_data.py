@@ -326,7 +326,7 @@ def test_embedded_cache_keys_and_study_run_ids_are_mains():
     import hashlib
 
     from optquant.config import run_id
-    from optquant.study.spec import run_config, study_preset
+    from optquant.study_spec import run_config, study_preset
 
     files = data.corpus_files(DataConfig())
     assert {v: data._cache_key(files, DataConfig(), v) for v in MAIN_CACHE_KEYS} == MAIN_CACHE_KEYS

@@ -17,7 +17,7 @@ from optquant.cost import run_cost
 from optquant.data import DataConfig, load_tokens
 from optquant.errors import OptquantError
 from optquant.study.dryrun import check_study_epochs
-from optquant.study.spec import apply_study_overrides, cpu, gpu, paper, run_config, smoke
+from optquant.study_spec import apply_study_overrides, cpu, gpu, paper, run_config, smoke
 from optquant.train import train
 
 

@@ -17,7 +17,7 @@ import pytest
 from optquant.cost import DEFAULT_GPU
 from optquant.study.dryrun import run_costs
 from optquant.study.eta import CostETA, _step_prior, plan_cells, probe_scale, replay
-from optquant.study.spec import spec_from_dict, study_preset
+from optquant.study_spec import spec_from_dict, study_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from eta import checkpoints, load, ratios, scaled  # noqa: E402  (benchmarks/eta.py: what it prints)

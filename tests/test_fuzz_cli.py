@@ -483,7 +483,7 @@ def test_fuzz_study_settings(tmp_path, capsys, pairs):
 def fuzz_study(tmp_path_factory, corpus):
     """A finished one-optimizer study written by run_study, and its spec."""
     from optquant.study.plan import run_study
-    from optquant.study.spec import apply_study_overrides, study_preset
+    from optquant.study_spec import apply_study_overrides, study_preset
 
     spec = apply_study_overrides(study_preset("smoke"), [
         f"run=data.source={corpus}", "sizes=femto", "optimizers=adamw", "lrs.adamw=0.003", "lr_extensions=0",

@@ -31,6 +31,7 @@ LAYERS = [
     {"ptq_stage", "train"},
     {"cost"},
     {"hf"},
+    {"study_spec"},  # the StudySpec: data that the study runs and the report reads
     {"report"},
     {"study"},
     {"cli"},

@@ -23,7 +23,7 @@ from optquant.report.paper import label
 from optquant.report.protocol import lr_status_table, tuning_table
 from optquant.report.tables import table2
 from optquant.study.plan import run_study
-from optquant.study.spec import apply_study_overrides, lr_grid, study_preset
+from optquant.study_spec import apply_study_overrides, lr_grid, study_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 LION = str(ROOT / "examples" / "lion.py") + ":make_optimizer"

@@ -261,8 +261,12 @@ def test_a_malformed_hf_folder_is_one_line(hf_llama, tmp_path, capsys, damage):
 
 
 def test_hf_seq_len_zero_is_one_line(hf_llama, tmp_path, capsys):
-    assert main(["ptq", "--hf", str(hf_llama), "--seq-len", "0", "--out", str(tmp_path / "out")]) == 2
-    one_line_error(capsys, "--seq-len")
+    """A usage error (the flag's range type, ranges.flag): argparse's one line and exit 2, nothing written."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["ptq", "--hf", str(hf_llama), "--seq-len", "0", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and err.startswith("optquant ptq: error: argument --seq-len: 0: "), err
+    assert not (tmp_path / "out").exists()
 
 
 # --- studies: the spec, damaged summaries and results ----------------------------------------------------
@@ -276,7 +280,7 @@ STUDY_SETS = ["sizes=femto", "optimizers=adamw", "lrs.adamw=0.003", "lr_extensio
 def tiny_study(tmp_path_factory, corpus):
     """A finished one-optimizer, one-size study by run_study (FP, CL, PTQ, QAT, results, report)."""
     from optquant.study.plan import run_study
-    from optquant.study.spec import apply_study_overrides, study_preset
+    from optquant.study_spec import apply_study_overrides, study_preset
 
     spec = apply_study_overrides(study_preset("smoke"), [f"run=data.source={corpus}", *STUDY_SETS])
     root = tmp_path_factory.mktemp("study") / "study"

@@ -150,8 +150,8 @@ def test_diverged_run_says_so_on_stderr(corpus, tmp_path, capsys):
 def test_study_warns_when_no_lr_converged(nano_cfg, tmp_path):
     from optquant.config import apply_overrides
     from optquant.study.plan import Study, loss_of, warn_unconverged
-    from optquant.study.spec import StudySpec
     from optquant.study.tuning import LRSearch
+    from optquant.study_spec import StudySpec
 
     table = {}
     for opt in ("adamw", "soap"):

@@ -452,8 +452,8 @@ def test_seed_plan_is_the_pooled_seed_spread_of_the_plain_runs_at_the_two_larges
 def test_a_studys_robust_entries_are_checked_as_runs_before_anything_trains():
     from dataclasses import replace
 
-    from optquant.study.spec import smoke
     from optquant.study.validate import validate_spec
+    from optquant.study_spec import smoke
 
     validate_spec(replace(smoke(), robust=("model.block=op", "model.attn_gate=true", "lawa:2")))
     for bad, why in (("model.blok=op", "unknown field 'blok'"), ("penalty:-1", "λ must be >= 0")):
@@ -498,7 +498,7 @@ def test_decay_table_pairs_each_decay_length_with_the_end_of_the_stable_phase(tm
 
     from optquant.report.paper import label
     from optquant.report.robust import decay_table, plain_decay, robust_section
-    from optquant.study.spec import StudySpec
+    from optquant.study_spec import StudySpec
 
     df = pd.read_parquet(Path(__file__).parent / "data" / ROBUST_SMOKE)
     table = decay_table(df, "w4a4-rtn", None)

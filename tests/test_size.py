@@ -82,7 +82,9 @@ from pathlib import Path
 # progress display fed by the executor's timing records): 17,215 merged, budget 17,220.
 # Issue 32's architecture arms (+41 on its branch: model.block=op, He et al.'s Outlier Protected block, and
 # model.attn_gate, Qwen's gated attention; the Seeds table's scheme from the arm): 17,256 merged, budget 17,260.
-BUDGET = 17_260
+# The merge's mends (+9: the StudySpec module below the report, study_spec.py, with round_lr; a sweep's bad value names
+# the sweep; a robust entry that does not parse names the entry): 17,265, budget 17,270.
+BUDGET = 17_270
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import optquant.study.plan as plan
 from optquant.study.dryrun import study_lines
 from optquant.study.eta import plan_cells
-from optquant.study.spec import apply_study_overrides, study_preset
+from optquant.study_spec import apply_study_overrides, study_preset
 
 SPEC = apply_study_overrides(study_preset("smoke"), ["optimizers=adamw,muon", "sizes=femto"])
 EXTRA = plan.Stage("qat", "extra stage (two per pair)", lambda spec, c: {(o, s): 2 for o in spec.optimizers

@@ -26,7 +26,7 @@ from optquant.study.executor import execute
 from optquant.study.jobs import TrainJob
 from optquant.study.plan import run_study
 from optquant.study.results import TIMING, refit
-from optquant.study.spec import StudySpec, apply_study_overrides, lr_grid, study_preset
+from optquant.study_spec import StudySpec, apply_study_overrides, lr_grid, study_preset
 
 # relative; smoke runs are 30 steps, where one early step moves the loss by up to ~16 % with the tuned (tied) group
 # step sizes: the check below that the step before each CL model was above CL is what shows the crossing is found
@@ -45,7 +45,7 @@ def test_study_json_round_trips_through_the_typed_spec_and_old_files_still_load(
     """study.json is written by spec_to_dict and read by spec_from_dict, for every preset; a study.json written
     before the typed spec (tests/data/study-cpu.json: `run`, `per_optimizer` and sweep values as `field=value`
     strings) loads with its settings parsed by their fields' types, the same as the preset's."""
-    from optquant.study.spec import STUDY_PRESETS, cpu, run_config, spec_from_dict, spec_to_dict
+    from optquant.study_spec import STUDY_PRESETS, cpu, run_config, spec_from_dict, spec_to_dict
 
     for name in STUDY_PRESETS:
         spec = study_preset(name)

@@ -10,8 +10,8 @@ from optquant.config import apply_overrides, run_preset
 from optquant.model import LM, count_params
 from optquant.optim import build_optimizers
 from optquant.study.bracket import bracket
-from optquant.study.spec import StudySpec, cpu, run_config
 from optquant.study.tuning import initial_ratios, losses, ratio_settings, step_sizes, tune
+from optquant.study_spec import StudySpec, cpu, run_config
 from optquant.train import build_model
 
 

@@ -142,7 +142,7 @@ def _seq_len(args: argparse.Namespace) -> int:
     """--seq-len (default 128, or the model's max_position_embeddings if smaller), at most that maximum."""
     from optquant.hf import check_hf_config
 
-    if args.seq_len is None or not (args.hf / "config.json").is_file():  # no folder: load_hf says so
+    if args.seq_len is None or not args.hf.is_dir():  # no folder: load_hf says so
         return args.seq_len or 128
     top = check_hf_config(args.hf).get("max_position_embeddings")
     if top is not None and args.seq_len > top:

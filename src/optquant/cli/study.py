@@ -55,8 +55,8 @@ def _study(args: argparse.Namespace) -> int:
 
     from optquant.config import load_toml
     from optquant.study.plan import run_study
-    from optquant.study.spec import apply_study_overrides, study_preset
     from optquant.study.validate import validate_spec
+    from optquant.study_spec import apply_study_overrides, study_preset
 
     toml_preset, toml_overrides = load_toml(args.config) if args.config else (None, [])
     spec = study_preset(args.preset or toml_preset or "cpu")

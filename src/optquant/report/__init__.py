@@ -38,7 +38,7 @@ from optquant.report.tables import (
     to_markdown,
 )
 from optquant.report.timings import timing_section
-from optquant.study.spec import spec_to_dict
+from optquant.study_spec import spec_to_dict
 
 __all__ = ["headline_tables", "render_report", "report_markdown"]
 

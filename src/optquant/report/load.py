@@ -29,7 +29,7 @@ from optquant.errors import OptquantError
 from optquant.files import NUMBER, check_numeric_columns, check_record, parse_metrics, read_json, read_parquet
 from optquant.report.paper import by_label, label
 from optquant.runs import RunDir, StudyDir
-from optquant.study.spec import StudySpec, spec_from_dict
+from optquant.study_spec import StudySpec, spec_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class StudyData:
     best: dict | None = None  # best.json: (optimizer, size) -> best_lr, status, reason, ...
     blocks: dict[str, int] = field(default_factory=dict)  # size -> transformer blocks (study.json, else a run's config)
     machine: dict = field(default_factory=dict)  # study.json's `machine`: CPU, bf16, precision, threads, commit
-    search_seed: int = 0  # study.json's: the seed the LR searches ran with (study/spec.py search_seed)
+    search_seed: int = 0  # study.json's: the seed the LR searches ran with (study_spec.py search_seed)
     n_count: str = "total"  # what n_params counts: the token budget's (and the fits') N, "non_embedding" or "total"
     n_other: dict[str, float] | None = None  # the other count per size (with the embedding, or without), for notes
 

@@ -34,7 +34,7 @@ from optquant.report.paper import label
 from optquant.report.tables import Table, not_run
 from optquant.runs import StudyDir
 from optquant.stats import ALPHA, holm, min_p, paired_test, rank_with_ties, summarize
-from optquant.study.spec import StudySpec, setting, spec_from_dict
+from optquant.study_spec import StudySpec, setting, spec_from_dict
 
 ROBUST_FILE = StudyDir(Path()).robust.name  # the captions name it
 

@@ -21,9 +21,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-
-def round_lr(x: float) -> float:
-    return float(f"{x:.4g}")
+from optquant.study_spec import round_lr
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from optquant.cost import DEFAULT_GPU, GPUConfig, RunCost, gb, meta_model, run_cost
 from optquant.data import check_epochs, epochs, train_tokens
 from optquant.study.plan import planned
-from optquant.study.spec import StudySpec, run_config
+from optquant.study_spec import StudySpec, run_config
 
 TRAINING = ("fp", "cl", "qat", "robust")  # the job kinds that train (their runs are the GPU-hours)
 

@@ -27,7 +27,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from optquant.study.plan import STEPS, last_phase, phase, planned
-from optquant.study.spec import StudySpec, run_config
+from optquant.study_spec import StudySpec, run_config
 
 # The prior seconds of a job for one worker: a fixed part (per training step, or per PTQ/outlier job: Python,
 # the optimizer's per-tensor work, loading a model) plus its FLOPs at an effective rate. Fitted to the default

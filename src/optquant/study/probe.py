@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any
 
-from optquant.study.spec import StudySpec, run_config
+from optquant.study_spec import StudySpec, run_config
 
 STEPS = 5  # timed steps per (optimizer, size); the fastest is the probe's (the least interrupted by other work)
 

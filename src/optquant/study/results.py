@@ -37,8 +37,8 @@ from optquant.ptq_stage import AnalysisConfig, read_result
 from optquant.runs import RunDir, StudyDir, read_summary
 from optquant.scaling import FitConfig, ScalingPoint, fit_joint, fit_laws, judge
 from optquant.study.correlate import correlate
-from optquant.study.spec import setting
 from optquant.study.tuning import LRSearch
+from optquant.study_spec import setting
 
 log = logging.getLogger(__name__)
 TIMING = ("mean_step_seconds", "tokens_per_s")

@@ -27,7 +27,7 @@ from typing import Any
 
 from optquant.config import RunConfig
 from optquant.study.bracket import Bracket, best_lr, bracket, extensions, refinement, round_lr
-from optquant.study.spec import StudySpec, lr_grid, run_config
+from optquant.study_spec import StudySpec, lr_grid, run_config
 
 Key = tuple[str, str]  # (optimizer, size)
 Runner = Callable[[str, dict[Hashable, RunConfig]], dict[Hashable, dict[str, Any]]]

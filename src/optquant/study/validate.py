@@ -22,7 +22,7 @@ from optquant.config import MAX_NAME, NAME
 from optquant.errors import OptquantError
 from optquant.optim import OPTIMIZERS, is_optimizer
 from optquant.quant.ptq import SCHEMES
-from optquant.study.spec import StudySpec, lr_grid, robust_settings, run_config, search_seed
+from optquant.study_spec import StudySpec, lr_grid, robust_settings, run_config, search_seed
 
 REMOTE_WORKERS = 1024  # the stated cap of concurrent jobs for the Slurm executors
 

@@ -32,9 +32,13 @@ from optquant.errors import OptquantError
 from optquant.harness import HarnessConfig, check_harness
 from optquant.optim import OPTIMIZERS, is_optimizer, optimizer_config
 from optquant.quant.robust_config import RECOMMENDED_ARM, entry_overrides
-from optquant.study.bracket import round_lr
 
 PAPER_PTQ_SCHEMES = ("w4a4-rtn", "w4a4-gptq", "w4a4-rtn-had", "w4a4-gptq-had")
+
+
+def round_lr(x: float) -> float:
+    """An LR to 4 significant digits: the grid's and the searches' points, as they name runs."""
+    return float(f"{x:.4g}")
 
 
 @dataclass(frozen=True)
@@ -225,7 +229,10 @@ def robust_settings(entry: str) -> dict[str, Any]:
 
 def _sweep_values(opt: str, param: str, values: list) -> tuple[Any, ...]:
     """A sweep's values as written (`0.9`, `fp32`), each parsed by its field's type in a run of `opt`."""
-    return tuple(typed_overrides([f"{param}={v}"], opt)[param] for v in values)
+    try:
+        return tuple(typed_overrides([f"{param}={v}"], opt)[param] for v in values)
+    except OptquantError as e:
+        raise OptquantError(f"sweeps.{opt}.{param}: {e}") from None
 
 
 def spec_to_dict(spec: StudySpec) -> dict[str, Any]:
