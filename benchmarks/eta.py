@@ -9,7 +9,7 @@ Run: python benchmarks/eta.py STUDY_DIR  (reads STUDY_DIR/study.json and STUDY_D
 python benchmarks/eta.py tests/data/costs-cpu.jsonl (the fixture, its study-cpu.json beside it).
 `--fixture NAME` writes tests/data/costs-NAME.jsonl and study-NAME.json from a study directory, with only
 the fields the replay reads. `--scale X` replays the recording as a machine X times slower would have run it
-(every time from the first start, and every job's seconds, × X); `--probe FILE` replays it with that probe
+(every time from the first start, every job's seconds and the probe's times, × X); `--probe FILE` replays it with that probe
 (a study.json's "probe", or study/probe.py's output as JSON) in place of its own.
 """
 
@@ -48,6 +48,16 @@ def scaled(records: list[dict], x: float) -> list[dict]:
             for r in records]
 
 
+def scaled_probe(study: dict, x: float) -> dict:
+    """study.json as a machine `x` times slower would have written it: its probe's times × x."""
+    probe = study.get("probe")
+    if not probe:
+        return study
+    times = {k: {o: ({s: x * t for s, t in v.items()} if isinstance(v, dict) else x * v) for o, v in probe[k].items()}
+             for k in ("step", "forward") if k in probe}
+    return {**study, "probe": {**probe, **times}}
+
+
 def checkpoints(study: dict, records: list[dict]) -> list[dict]:
     """At 10/50/90 % of the wall time and of the jobs: the replay's row (t, jobs, true, eta, old)."""
     rows = replay(spec_from_dict(study["spec"]), records, probe=study.get("probe"))
@@ -78,7 +88,8 @@ def main() -> None:
     p.add_argument("--probe", type=Path, help="a probe (JSON) to replay with")
     args = p.parse_args()
     study, records = load(args.path)
-    records = scaled(records, args.scale) if args.scale != 1.0 else records
+    if args.scale != 1.0:
+        records, study = scaled(records, args.scale), scaled_probe(study, args.scale)
     if args.probe:
         probe = json.loads(args.probe.read_text())
         study = {**study, "probe": probe.get("probe", probe)}
@@ -88,7 +99,8 @@ def main() -> None:
     if args.fixture:
         lines = [json.dumps({k: r.get(k) for k in FIELDS}) for r in sorted(records, key=lambda r: r["end"])]
         (DATA / f"costs-{args.fixture}.jsonl").write_text("\n".join(lines) + "\n")
-        (DATA / f"study-{args.fixture}.json").write_text(json.dumps({"spec": study["spec"]}, indent=1) + "\n")
+        kept = {k: study[k] for k in ("spec", "probe") if k in study}
+        (DATA / f"study-{args.fixture}.json").write_text(json.dumps(kept, indent=1) + "\n")
     print(f"{len(records)} jobs; wall {max(r['end'] for r in records) - min(r['start'] for r in records):.0f} s\n")
     print("| at | elapsed s | jobs done | true remaining s | old ETA s | old error | new ETA s | new error |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

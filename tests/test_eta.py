@@ -20,7 +20,7 @@ from optquant.study.eta import CostETA, _step_prior, plan_cells, probe_scale, re
 from optquant.study_spec import spec_from_dict, study_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from eta import checkpoints, load, ratios, scaled  # noqa: E402  (benchmarks/eta.py: what it prints)
+from eta import checkpoints, load, ratios, scaled, scaled_probe  # noqa: E402  (benchmarks/eta.py: what it prints)
 
 DATA = Path(__file__).parent / "data"
 # costs-cpu.jsonl is the redesigned default study (issue 20) of 2026-12-01 recorded on the idle 2-core machine:
@@ -125,7 +125,15 @@ def test_a_replay_uses_the_recordings_probe():
     rows = {x: replay(spec, records[:1], probe=_probe_at(spec, x)) for x in (1.0, 3.0)}
     assert rows[1.0][0]["eta"] == replay(spec, records[:1])[0]["eta"]  # no probe: the prior's own level
     assert rows[3.0][0]["eta"] == pytest.approx(3 * rows[1.0][0]["eta"])  # before the first job: the probe's
-    assert rows[3.0][1]["eta"] == pytest.approx(rows[1.0][1]["eta"])  # after it: the measured job's
+    # after it: the measured job's cell is its measurement; a size no job has measured keeps the probe's level
+    # (one size's measured/prior ratio does not carry to another's, whose fixed costs differ)
+    ests = {x: CostETA(spec, records[0]["start"], probe=_probe_at(spec, x)) for x in (1.0, 3.0)}
+    for e in ests.values():
+        e.record(records[0])
+    first = (records[0]["stage"], records[0]["optimizer"], records[0]["size"])
+    other = next(k for k in ests[1.0].cells if k[0] == first[0] and k[2] != first[2])
+    assert ests[3.0].per_job(first) == ests[1.0].per_job(first) == records[0]["seconds"]
+    assert ests[3.0].per_job(other) == pytest.approx(3 * ests[1.0].per_job(other))
 
 
 def test_probe_measures_each_optimizer_at_the_smallest_and_largest_size():
@@ -145,9 +153,22 @@ GOAL = (0.7, 1.3)  # issue 30: ETA ÷ true remaining from 5 % of the run's time 
 
 
 @pytest.mark.parametrize("slower", [1.0, 1.6, 1 / 1.6])
-def test_eta_goal_on_the_default_study_at_any_machine_speed(slower):
-    """The default study (idle 2-core machine), and the same recording as a machine 1.6× slower or faster
-    would have made it (benchmarks/eta.py --scale): the ETA is within GOAL of the truth from 5 % on."""
-    study, records = load(DATA / "costs-cpu.jsonl")
+@pytest.mark.parametrize("name", ["cpu", "cpu-probed"])
+def test_eta_goal_on_the_default_study_at_any_machine_speed(name, slower):
+    """Two recordings of the default study on the idle 2-core machine: costs-cpu (2026-12-01, no probe: the
+    prior's constants were fitted to it) and costs-cpu-probed (2026-12-04, a fresh study with its probe, which the
+    constants never saw), each also as a machine 1.6× slower or faster would have made it (benchmarks/eta.py
+    --scale: every time, the probe's too): the ETA is within GOAL of the truth from 5 % on."""
+    study, records = load(DATA / f"costs-{name}.jsonl")
+    got = ratios(scaled_probe(study, slower), scaled(records, slower))
+    assert all(GOAL[0] <= r <= GOAL[1] for f, r in got.items() if f >= 0.05), got
+
+
+@pytest.mark.parametrize("slower", [1.3, 1 / 1.3])
+def test_eta_goal_holds_when_the_probe_misjudges_the_machine_by_30_percent(slower):
+    """The probed recording replayed 1.3× slower or faster while its probe stays as measured (the load changed
+    after the probe): each size's first jobs correct its prior, and the goal holds from 5 % on. (Off by 1.6×,
+    it does not: 1.40 at 5 %, docs/benchmarks.md.)"""
+    study, records = load(DATA / "costs-cpu-probed.jsonl")
     got = ratios(study, scaled(records, slower))
     assert all(GOAL[0] <= r <= GOAL[1] for f, r in got.items() if f >= 0.05), got

@@ -9,8 +9,10 @@ per PTQ job, plus its FLOPs at an effective rate; half the CL upper bound), scal
 study's probe (study/probe.py, in study.json) when it has one. Each costs.jsonl record (study/executor.py)
 then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best LR's
 runs, under the machine's current load); for CL and QAT, its FP twin's mean times the CL/FP or QAT/FP ratio
-measured in other cells; the prior scaled by the measured/prior ratio of the same class and optimizer, then
-class, then all jobs. A job of a later step of the table ends the earlier ones (their counts become what ran:
+measured in other cells; the prior scaled by the measured/prior ratio of the same class and size (with the
+same optimizer, then any); with a probe, the probed prior itself (a size's ratio does not carry to another
+size, whose fixed costs differ: the smallest size's first jobs ran 1.5× their prior where the others ran
+0.9–1.0×); without one, the ratio of the same class and optimizer, then class, then all jobs. A job of a later step of the table ends the earlier ones (their counts become what ran:
 extensions that never came are dropped), and the PTQ counts are recomputed from the FP runs that actually
 finished.
 
@@ -101,6 +103,7 @@ class CostETA:
     def __init__(self, spec: StudySpec, start: float, cells: dict | None = None, probe: dict | None = None):
         self.spec, self.start, self.t_last = spec, start, start
         self.cells = plan_cells(spec, probe) if cells is None else cells
+        self.probed = bool((probe or {}).get("step"))
         self.workers = max(1, spec.workers if spec.executor == "local" else 1)
         self.busy, self.phase, self.jobs = 0.0, 0, 0
 
@@ -151,10 +154,10 @@ class CostETA:
         done = [c for (k, *_), c in self.cells.items() if k == cls and c.done]
         return sum(c.seconds for c in done) / sum(c.done for c in done) if done else 1.0
 
-    def _scale(self, cls: str | None, opt: str | None) -> float:
-        """Measured seconds over prior seconds of the done jobs of that class and optimizer (None: any)."""
-        done = [c for (k, o, _), c in self.cells.items() if c.done and c.prior > 0
-                and (cls is None or k == cls) and (opt is None or o == opt)]
+    def _scale(self, cls: str | None, opt: str | None, size: str | None = None) -> float:
+        """Measured seconds over prior seconds of the done jobs of that class, optimizer and size (None: any)."""
+        done = [c for (k, o, s), c in self.cells.items() if c.done and c.prior > 0
+                and (cls is None or k == cls) and (opt is None or o == opt) and (size is None or s == size)]
         prior = sum(c.prior * c.done for c in done)
         return sum(c.seconds for c in done) / prior if prior > 0 else math.nan
 
@@ -173,6 +176,11 @@ class CostETA:
         if cls in ("cl", "qat") and fp is not None and fp.done:
             ratio = self._twin_ratio(cls)
             return fp.mean * (ratio if math.isfinite(ratio) else cell.prior / fp.prior)
+        for scale in (self._scale(cls, o, s), self._scale(cls, None, s)):
+            if math.isfinite(scale):
+                return cell.prior * scale
+        if self.probed:
+            return cell.prior
         for scale in (self._scale(cls, o), self._scale(cls, None), self._scale(None, o), self._scale(None, None)):
             if math.isfinite(scale):
                 return cell.prior * scale
