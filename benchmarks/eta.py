@@ -9,8 +9,8 @@ Run: python benchmarks/eta.py STUDY_DIR  (reads STUDY_DIR/study.json and STUDY_D
 python benchmarks/eta.py tests/data/costs-cpu.jsonl (the fixture, its study-cpu.json beside it).
 `--fixture NAME` writes tests/data/costs-NAME.jsonl and study-NAME.json from a study directory, with only
 the fields the replay reads. `--scale X` replays the recording as a machine X times slower would have run it
-(every time from the first start, every job's seconds and the probe's times, × X); `--probe FILE` replays it with that probe
-(a study.json's "probe", or study/probe.py's output as JSON) in place of its own.
+(every time from the first start, every job's seconds and the probe's times, × X); `--probe FILE` replays it
+with that probe (a study.json's "probe", or study/probe.py's output as JSON) in place of its own.
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ from pathlib import Path
 # model.attn_gate, Qwen's gated attention; the Seeds table's scheme from the arm): 17,256 merged, budget 17,260.
 # The merge's mends (+9: the StudySpec module below the report, study_spec.py, with round_lr; a sweep's bad value names
 # the sweep; a robust entry that does not parse names the entry): 17,265, budget 17,270.
-BUDGET = 17_270
+# eta34 (+8: the ETA's per-size scale, an unmeasured size keeps its probed prior): 17,273, budget 17,278.
+BUDGET = 17_278
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 
