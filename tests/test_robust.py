@@ -393,6 +393,34 @@ def test_averaged_runs_save_and_evaluate_the_average(nano_cfg, tmp_path):
     assert first == read_metrics(tmp_path / "plain")[0]["val_loss"]
 
 
+def test_an_ema_runs_saved_model_is_the_closed_form_over_its_raw_checkpoints(nano_cfg, tmp_path):
+    """In the loop: with the EMA updated every 10 steps (the evaluations), the saved model is e_4 of
+    e_1 = w_10, e_t = β e_{t−1} + (1 − β) w_{10t} over the kept raw checkpoints, which are the plain run's
+    bitwise (the average leaves the trajectory alone); the first evaluation sees e_1 = w_10, the plain model."""
+    from optquant.checkpoint import load_checkpoint
+    from optquant.runs import RunDir
+
+    cfg = apply_overrides(nano_cfg, ["train.keep_history=true"])
+    train(cfg, tmp_path / "plain")
+    beta = 0.6
+    train(apply_overrides(cfg, ["robust.method=ema", f"robust.strength={beta}", "robust.every=10"]), tmp_path / "ema")
+    e = None
+    for step in (10, 20, 30, 40):
+        raw, plain = LM(cfg.model), LM(cfg.model)
+        load_checkpoint(RunDir(tmp_path / "ema").history_checkpoint(step), raw)
+        load_checkpoint(RunDir(tmp_path / "plain").history_checkpoint(step), plain)
+        w = dict(raw.named_parameters())
+        assert all(torch.equal(v, dict(plain.named_parameters())[k]) for k, v in w.items())
+        e = {k: v.detach().clone() for k, v in w.items()} if e is None else {
+            k: beta * e[k] + (1 - beta) * w[k].detach() for k in e}
+    final = _weights(tmp_path / "ema")
+    assert final.keys() <= e.keys()  # the tied head is stored once
+    for k, v in final.items():
+        torch.testing.assert_close(v, e[k], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(final["embed.weight"], dict(raw.named_parameters())["embed.weight"])
+    assert read_metrics(tmp_path / "ema")[0] == read_metrics(tmp_path / "plain")[0]
+
+
 def test_damage_at_the_end_of_the_stable_phase_is_a_run_stopped_there(nano_cfg, tmp_path):
     """A WSD run's kept checkpoint at steps − decay (40 − 10) is bitwise a no-decay run stopped at that step
     (the schedule up to the decay does not depend on its length), so is its W4A4 RTN damage; `decay:0` in
