@@ -3,9 +3,10 @@
 Strategy. One small study (the smoke preset at one size, two optimizers, two seeds, one LR each, W4A4 RTN)
 runs the arm with every new kind of entry: EMA, LAWA, two decay lengths and the two architecture options.
 robust.parquet must hold every entry for every (optimizer, seed), each arm's run must be the run its entry
-describes (read back from its config.json), and the report's Robustness section must carry every entry: the
-Robustness table (its Δ damage recomputed here from robust.parquet by hand), the decay table (plain, stable
-end, longer decay), the ranking table and the verdict with the goal as issue 32 states it.
+describes (read back from its config.json), its plain rows must be results.parquet's bit for bit, and the
+report's Robustness section must carry every entry: the Robustness table (its Δ damage recomputed here from
+robust.parquet by hand), the decay table (plain, stable end, longer decay), the ranking table and the
+verdict with the goal as issue 32 states it.
 """
 
 import json
@@ -43,6 +44,14 @@ def test_the_arm_writes_every_new_entry_and_the_report_carries_it(study, tmp_pat
     configs = [json.loads(p.read_text()) for p in (study / "runs").glob("*/config.json")]
     models = [c["config"]["model"] if "config" in c else c["model"] for c in configs]
     assert sum(m.get("block") == "op" for m in models) == 4 and sum(bool(m.get("attn_gate")) for m in models) == 4
+
+    plain = pd.read_parquet(StudyDir(study).results)  # arm "none" is the plain runs' own PTQ, bit for bit
+    plain = plain[(plain["kind"] == "cl") & (plain["scheme"] == "w4a4-rtn") & (plain["metric"] == "delta_val_loss")]
+    none = df[(df["arm"] == "none") & (df["weights"] == "cl") & (df["scheme"] == "w4a4-rtn")
+              & (df["metric"] == "delta_val_loss")]
+    key = ["optimizer", "size", "seed"]
+    assert len(none) == 4 and none.set_index(key)["value"].sort_index().equals(
+        plain.set_index(key)["value"].sort_index())
 
     section = robust_section(study, tmp_path)
     tables = {b.key: b for b in section.blocks if isinstance(b, Table)}
