@@ -265,7 +265,9 @@ def test_robustness_table_pairs_units_and_states_the_verdict(tmp_path):
     assert c["test"].n == 10 and c["change"] == pytest.approx(-40.0) and c["cost"] == pytest.approx(1.2)
     assert c["test_holm"] == pytest.approx(2 / 2**10) and c["rl"] == pytest.approx(-40.0)
     assert "penalty:1: every optimizer" in verdict(cells) and "not met" in verdict(cells)  # one optimizer of 4
-    assert "closest: AdamW with penalty:1, -40.0 % [" in verdict(cells) and "p_Holm 0.00195." in verdict(cells)
+    text = verdict(cells)
+    assert "closest: AdamW with penalty:1, -40.0 % [" in text
+    assert "p_Holm 0.00195; Δ final FP loss +0.0000, p_Holm 1." in text
     assert table.rows[0][:3] == ("AdamW", "penalty:1", "10") and table.rows[0][4] == "-40.0 %"
     _, cells = robustness_table(_robust_frame(cut=0.6, fp_cost=0.05), "w4a4-rtn")  # FP loss pays for it
     assert "penalty:1: no optimizer" in verdict(cells) and "not met" in verdict(cells)
