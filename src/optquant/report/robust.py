@@ -8,7 +8,9 @@ to reach the size's threshold); the FP cost shows as the final model's FP val lo
 training cost is the ratio of mean step times (wall clock in the study's workers; benchmarks/robust.py
 measures it side by side). The verdict: an arm cuts damage significantly at no significant FP cost for
 an optimizer when its damage p_Holm < α with a negative mean and its final-FP-loss difference is not
-significantly positive. The figure is the Pareto view: final-model damage against final FP loss.
+significantly positive; the goal is met by an arm that does so with a cut ≥ 30 % at ≤ 1.3× the step time for
+at least four optimizers, else the verdict names the closest cell (the smallest p_Holm of a cut). The figure is
+the Pareto view: final-model damage against final FP loss.
 
 The decay table (issue 32's `decay:FRACTION` entries) asks whether the LR decay is where the damage comes from:
 per optimizer and decay length, the final model's damage and FP loss, paired with the shortest decay that ran
@@ -38,7 +40,8 @@ from optquant.study_spec import StudySpec, setting, spec_from_dict
 
 ROBUST_FILE = StudyDir(Path()).robust.name  # the captions name it
 
-GOAL = (-30.0, 1.3)  # the issue's aim: ≥ 30 % less damage at ≤ 1.3× the training cost
+GOAL = (-30.0, 1.3)  # the issue's aim: ≥ 30 % less damage at ≤ 1.3× the training cost,
+GOAL_OPTIMIZERS = 4  # significant after Holm for at least four of the six optimizers (issue 32)
 POWER = 0.8  # the power calculation's target: a 30 % cut is found in 80 % of repeats
 
 
@@ -152,23 +155,33 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
 
 
 def verdict(cells: list[dict]) -> str:
-    """Which arm, if any, cuts damage significantly at no significant FP cost, and whether the goal is met."""
+    """Which arm, if any, cuts damage significantly at no significant FP cost; whether the goal is met (for at
+    least GOAL_OPTIMIZERS optimizers); if not, the cell that comes closest (the smallest p_Holm of a cut)."""
     if not cells:
         return "no robust arm ran"
     good = {c["arm"]: [] for c in cells}
-    goal = {c["arm"]: True for c in cells}
+    goal = {c["arm"]: [] for c in cells}
     for c in cells:
         cut = c["test_holm"] < ALPHA and c["test"].mean_diff < 0
         fp_ok = not (c["fp_holm"] < ALPHA and c["fp"].mean_diff > 0)
         if cut and fp_ok:
             good[c["arm"]].append(label(c["opt"]))
-        goal[c["arm"]] &= cut and fp_ok and c["change"] <= GOAL[0] and c["cost"] <= GOAL[1]
+            if c["change"] <= GOAL[0] and c["cost"] <= GOAL[1]:
+                goal[c["arm"]].append(label(c["opt"]))
     n_opt = len({c["opt"] for c in cells})
     parts = [f"{arm}: {'every optimizer' if len(o) == n_opt else ', '.join(o) if o else 'no optimizer'}"
              for arm, o in good.items()]
-    met = [arm for arm, ok in goal.items() if ok]
+    met = [f"{arm} ({', '.join(o)})" for arm, o in goal.items() if len(o) >= GOAL_OPTIMIZERS]
+    cuts = [c for c in cells if c["test"].mean_diff < 0 and math.isfinite(c["change"])]
+    near = min(cuts, key=lambda c: (c["test_holm"], c["change"], c["test"].p)) if cuts else None
+    closest = "" if met or near is None else (
+        f"; closest: {label(near['opt'])} with {near['arm']}, {_pct(near['change'])} "
+        f"[{_pct(100 * near['test'].lo / near['plain'])}, {_pct(100 * near['test'].hi / near['plain'])}], "
+        f"p {near['test'].p:.3g}, p_Holm {near['test_holm']:.3g}; Δ final FP loss {_fmt(near['fp'].mean_diff)}, "
+        f"p_Holm {near['fp_holm']:.3g}")
     return ("Significant damage cut at no significant FP cost — " + "; ".join(parts) + ". Goal (≥ 30 % less "
-            f"damage at ≤ 1.3× cost for every optimizer): {'met by ' + ', '.join(met) if met else 'not met'}.")
+            f"damage, significant after Holm, at ≤ 1.3× cost for ≥ {GOAL_OPTIMIZERS} of the {n_opt} optimizers): "
+            f"{'met by ' + ', '.join(met) if met else 'not met'}{closest}.")
 
 
 def scheme_table(df: pd.DataFrame, schemes: list[str]) -> Table:
