@@ -314,6 +314,37 @@ def test_the_cli_writes_a_plan_that_ptq_applies(nano_run, tmp_path, capsys):
     one_line_error(capsys, "bits 6", "choices")
 
 
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_the_cli_plans_and_applies_a_rotated_scheme(nano_run, tmp_path, capsys, method):
+    """`optquant bits --rotation hadamard` then `optquant ptq --plan`: the rotation wraps o_proj and down_proj
+    (`Rotated`, the linear inside as `.linear`), yet plan.json names every module by its model name and keeps the
+    scheme's rotation, `ptq --plan` applies it, and a plan with every module at 4 bits gives the uniform rotated
+    scheme's damage exactly while the planned one differs from it."""
+    from optquant.ptq_stage import LoadedRun
+    from optquant.runs import RunDir
+
+    def damage(*args: str) -> float:
+        capsys.readouterr()
+        assert main(["ptq", str(nano_run), *args, "--mc-items", "0"]) == 0
+        return json.loads(capsys.readouterr().out.rsplit("written:", 1)[0])["val_loss_q"]
+
+    scheme, plan = ["--method", method, "--rotation", "hadamard"], tmp_path / "plan.json"
+    assert main(["bits", str(nano_run), *scheme, "--avg-bits", "4.5", "--plan-out", str(plan)]) == 0
+    record = json.loads(plan.read_text())
+    names = {n for n, _ in linear_layers(LoadedRun(nano_run, "final").model)}
+    assert set(record["modules"]) == names and {"blocks.0.attn.inner.o_proj", "blocks.0.mlp.inner.down_proj"} <= names
+    assert (record["ptq"]["method"], record["ptq"]["rotation"]) == (method, "hadamard")
+    bits = {m: v["bits"] for m, v in record["modules"].items()}
+    assert set(bits.values()) == {4, 8} and record["plan_avg_bits"] <= 4.5
+    planned = damage("--plan", str(plan))
+    written = json.loads(RunDir(nano_run).ptq_file("final", PTQConfig(**record["ptq"], plan=tuple(bits.items())).name,
+                                                   "damage").read_text())
+    assert written["ptq"]["rotation"] == "hadamard" and dict(map(tuple, written["ptq"]["plan"])) == bits
+    (tmp_path / "all4.json").write_text(json.dumps(dict(record, modules={m: {"bits": 4} for m in bits})))
+    uniform = damage(*scheme)
+    assert damage("--plan", str(tmp_path / "all4.json")) == uniform != planned
+
+
 def test_the_study_plans_each_cl_model_once_and_the_report_shows_them(nano_run, tmp_path, monkeypatch):
     """The study's bits stage writes a CL model's +0.5-bit plan, the one `optquant bits --weights cl --avg-bits 4.5`
     gives, to STUDY/bits/ with its size, optimizer and seed; a resumed study keeps it without a second walk; the
