@@ -228,9 +228,9 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.models:
-        models = models.groupby("size", group_keys=False).apply(
-            lambda g: g.iloc[np.unique(np.linspace(0, len(g) - 1, min(args.models, len(g))).round().astype(int))]
-        ).sort_values(["seed", "optimizer", "size"], ignore_index=True)
+        models = pd.concat(  # not groupby.apply: pandas 3 drops the grouping column there
+            g.iloc[np.unique(np.linspace(0, len(g) - 1, min(args.models, len(g))).round().astype(int))]
+            for _, g in models.groupby("size")).sort_values(["seed", "optimizer", "size"], ignore_index=True)
     done = [json.loads(ln) for ln in args.rows.read_text().splitlines()] if args.rows and args.rows.exists() else []
     rows, seen = list(done), {r["run_id"] for r in done}
     costed = {r["size"] for r in done if "cost_abc" in r}
