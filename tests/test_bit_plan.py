@@ -85,8 +85,9 @@ def _lm() -> tuple[LM, torch.Tensor]:
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
-@pytest.mark.parametrize("a_bits", [4, 16])
+@pytest.mark.parametrize("a_bits", [4, 8, 16])
 def test_a_plan_with_every_module_at_4_bits_is_uniform_w4_bitwise(method, a_bits):
+    """W4A4, W4A8 and W4A16: the plan's 4 bits are the scheme's; its 8 makes W8A8 (W8A16 weight-only), its 16 FP."""
     model, idx = _lm()
     cfg = PTQConfig(method=method, a_bits=a_bits, n_calib=4)
     names = [n for n, _ in linear_layers(model)]
@@ -102,7 +103,7 @@ def test_a_plan_with_every_module_at_4_bits_is_uniform_w4_bitwise(method, a_bits
     assert not torch.equal(mixed.state_dict()[names[0] + ".weight"], a[names[0] + ".weight"])
     assert torch.equal(mixed.state_dict()[names[1] + ".weight"], model.state_dict()[names[1] + ".weight"])
     first = mixed.get_submodule(names[0])
-    assert isinstance(first, QuantLinear) and first.scheme.startswith("w8a" + ("8" if a_bits == 4 else "16"))
+    assert isinstance(first, QuantLinear) and first.scheme.startswith("w8a" + ("16" if a_bits == 16 else "8"))
 
 
 def test_a_plan_naming_a_module_not_in_the_model_is_an_error():
@@ -413,6 +414,8 @@ def test_the_exports_name_the_hf_modules():
     assert groups["group_w8"]["targets"] == ["re:^model[.]layers[.]0[.]self_attn[.]q_proj$"]
     assert groups["group_w4"]["input_activations"] is None and set(groups) == {"group_w4", "group_w8"}
     assert "model.layers.1.mlp.up_proj" not in torchao_snippet(bits, names)  # 16 bits: left in FP
+    w4a8 = llmcompressor_recipe(bits, {"a_bits": 8})["quant_stage"]["quant_modifiers"]["QuantizationModifier"]
+    assert [g["input_activations"]["num_bits"] for g in w4a8["config_groups"].values()] == [8, 8]  # as for_module
 
 
 def roundtrip_with_llmcompressor(run, tmp_path) -> None:
