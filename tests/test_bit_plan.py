@@ -304,6 +304,8 @@ def test_the_cli_writes_a_plan_that_ptq_applies(nano_run, tmp_path, capsys):
         ("impossible", ["--avg-bits", "9"], "impossible"),
         ("choices", ["--avg-bits", "4.5", "--choices", "4,5", "--format", "mxfp4"], "choices"),
         ("choices", ["--avg-bits", "4.5", "--choices", "4,x"], "comma-separated"),
+        ("rotated", ["--avg-bits", "4.5", "--rotation", "hadamard", "--recipe", str(recipe)], "Hadamard rotation"),
+        ("mxfp4", ["--avg-bits", "4", "--choices", "4,16", "--format", "mxfp4", "--torchao", str(snippet)], "mxfp4"),
     ]:
         assert main(["bits", str(nano_run), *args, "--plan-out", str(tmp_path / f"{case}.json")]) == 2, case
         one_line_error(capsys, needle)
