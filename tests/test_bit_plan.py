@@ -420,6 +420,30 @@ def test_the_exports_name_the_hf_modules():
     assert [g["input_activations"]["num_bits"] for g in w4a8["config_groups"].values()] == [8, 8]  # as for_module
 
 
+def test_the_torchao_snippet_applies_the_plan():
+    """The snippet run by torchao (skipped where it is not installed; checked with 0.18 on CPU): each module at its
+    planned bits on --grid full's scales (absmax/7.5 at 4 bits), left FP at 16; its integers are optquant's but for
+    a row's negative extreme, −absmax/scale = −7.5, which torchao rounds to −7 and optquant to −8."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 32, bias=False) for _ in range(3)))
+    plan = {"0": 8, "1": 4, "2": 16}
+    ours = quantize_(copy.deepcopy(model), PTQConfig(a_bits=16, grid="full", plan=tuple(plan.items())))
+    fp = [lin.weight.detach().clone() for lin in model]
+    space: dict = {}
+    exec(torchao_snippet(plan), space)
+    space["apply_plan"](model)
+    for i, bits in enumerate(plan.values()):
+        w, q = model[i].weight, ours[i].weight.detach()
+        if bits == 16:
+            assert type(w) is nn.Parameter and torch.equal(w, q)
+            continue
+        scale = fp[i].abs().amax(1) / (2 ** (bits - 1) - 0.5)
+        assert torch.allclose(w.scale.reshape(-1).float(), scale) and w.qdata.dtype == torch.int8, bits
+        differ = (w.qdata.float() != (q / scale[:, None]).round()).sum(1)
+        assert differ.max() <= 1 and 0 < differ.sum() <= (fp[i].amin(1) < -fp[i].amax(1)).sum(), (bits, differ)
+
+
 def roundtrip_with_llmcompressor(run, tmp_path) -> None:
     """The plan's recipe applied by llm-compressor (`oneshot`, RTN weight-only on the full [-8, 7] grid it uses) to
     the run's HF export: the modules it quantizes and their bits are the plan's, and the logits, hence the loss,

@@ -252,7 +252,8 @@ def llmcompressor_recipe(bits: dict[str, int], ptq: dict, names: dict[str, str] 
 
 
 def torchao_snippet(bits: dict[str, int], names: dict[str, str] | None = None) -> str:
-    """Python that applies the plan's weight bits with torchao's quantize_ and a filter_fn per bit width."""
+    """Python that applies the plan's weight bits with torchao's quantize_ and a filter_fn per bit width: weights
+    only, on --grid full's scales (torchao rounds a row's −absmax to −7, not −8: tests/test_bit_plan.py)."""
     names = names or {}
     by_bits: dict[int, list[str]] = {}
     for m, b in bits.items():
