@@ -229,8 +229,8 @@ def yaml_text(recipe: dict) -> str:
 def _group(bits: int, targets: list[str], a_bits: int, grid: str, group_size: int) -> dict:
     quant = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group" if group_size else "channel",
              "dynamic": False, **({"group_size": group_size} if group_size else {})}
-    acts = None if a_bits >= OFF else {"num_bits": max(bits, a_bits), "type": "int", "symmetric": True, "strategy": "token",
-                                       "dynamic": True}
+    acts = None if a_bits >= OFF else {"num_bits": max(bits, a_bits), "type": "int", "symmetric": True,
+                                       "strategy": "token", "dynamic": True}
     return {"targets": [f"re:^{t.replace('.', '[.]')}$" for t in targets], "weights": quant,
             "input_activations": acts}
 
