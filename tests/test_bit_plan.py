@@ -392,9 +392,13 @@ def test_the_study_plans_each_cl_model_once_and_the_report_shows_them(nano_run, 
 
 def test_a_smoke_study_reports_its_plans_in_html_and_markdown(smoke_study):
     """run_study's bits stage wrote one plan per CL model under the first PTQ scheme, and both reports show them."""
+    import re
+
+    import numpy as np
     import pandas as pd
 
     from optquant.report import report_markdown
+    from optquant.report.bit_plans import plan_grid
 
     df = pd.read_parquet(smoke_study / "results.parquet")
     cl = set(df.loc[df["kind"] == "cl", "run_id"])
@@ -404,6 +408,17 @@ def test_a_smoke_study_reports_its_plans_in_html_and_markdown(smoke_study):
     html = (smoke_study / "report" / "index.html").read_text()
     assert '<section id="bits">' in html and "bits_" in html.split('<section id="bits">')[1]
     assert "### Bit plans: the modules kept at the highest choice" in report_markdown(smoke_study)
+    section = html.split('<section id="bits">')[1].split("</section>")[0]
+    figs = sorted(set(re.findall(r'src="(figures/bits_[^"]+\.png)"', section)))
+    sizes = {r["size"] for r in plans.values()}
+    assert len(figs) == len(sizes) and all((smoke_study / "report" / f).stat().st_size > 0 for f in figs)
+    for size in sizes:  # each figure's grid: every module of the size's plans once, by kind and layer
+        records = [r for r in plans.values() if r["size"] == size]
+        kinds, layers, share, high = plan_grid(records)
+        assert share.size == len(records[0]["modules"]) and np.isfinite(share).all()
+        assert layers == list(range(len(layers))) and np.nansum(share) == pytest.approx(1)
+        keep = [np.mean([r["modules"][m]["bits"] == 8 for r in records]) for m in records[0]["modules"]]
+        assert sorted(high.ravel()) == pytest.approx(sorted(keep))
 
 
 def test_the_exports_name_the_hf_modules():
