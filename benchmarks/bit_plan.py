@@ -20,7 +20,8 @@ with a 95 % percentile-bootstrap interval over models (a per-model ratio is mean
 near 0); at the largest size, paired sign-flip tests of each method's Δ against abc's over the models, Holm over
 the five cheap scores (sqnr, mmr, kurtosis, hawq, fisher; the oracle's p is its own). Cost: each method's
 measured matmul FLOPs (torch.utils.flop_counter, backward passes included) over those of one FP forward of one
-validation batch, "forward-pass equivalents", on the first model of each size (the count depends on shapes only).
+validation batch, "forward-pass equivalents", on the first model of each size (the count depends on shapes only);
+and each score's CPU seconds on every model, which also count what FLOPs miss (the ABC gains' eigenproblems).
 
 Rows are appended to --rows (JSON lines) model by model; a rerun skips the models already there.
 
@@ -35,6 +36,7 @@ import copy
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -110,13 +112,15 @@ def gains_of(run: LoadedRun, qcfg, acfg, params, method: str):
     return cheap_gains(run, qcfg, acfg, params, (method,))[method]
 
 
-def measured(fn, count: bool) -> tuple[object, int]:
-    """fn() and, with `count`, the matmul FLOPs it ran (backward passes included); else 0."""
+def measured(fn, count: bool) -> tuple[object, int, float]:
+    """fn(), with `count` the matmul FLOPs it ran (backward passes included; else 0), and its CPU seconds (one
+    thread: the work outside torch's matmuls too, e.g. the gains' eigenproblems in scipy, which FLOPs miss)."""
+    start = time.process_time()
     if not count:
-        return fn(), 0
+        return fn(), 0, time.process_time() - start
     with FlopCounterMode(display=False) as counter:
         out = fn()
-    return out, counter.get_total_flops()
+    return out, counter.get_total_flops(), time.process_time() - start
 
 
 def one_model(model: dict, study: Path, scheme: str, extras: list[float], with_cost: bool) -> list[dict]:
@@ -126,10 +130,10 @@ def one_model(model: dict, study: Path, scheme: str, extras: list[float], with_c
     n_val = acfg.eval_batches or run.cfg.train.eval_batches
     val = _batches(run.cfg, run.data.val, n_val, run.cfg.seed + HELDOUT)
     fp = val_loss(run.model, val).loss
-    gains, cost = {}, {}
+    gains, cost, cpu = {}, {}, {}
     one = measured(lambda: val_loss(run.model, val[:1]), with_cost)[1]  # one FP forward of one batch
     for m in METHODS:
-        gains[m], flops = measured(lambda m=m: gains_of(run, qcfg, acfg, params, m), with_cost)
+        gains[m], flops, cpu[m] = measured(lambda m=m: gains_of(run, qcfg, acfg, params, m), with_cost)
         if with_cost:
             cost[m] = flops / one
     cache: dict[tuple, float] = {}  # methods that choose the same plan share its evaluation
@@ -144,7 +148,7 @@ def one_model(model: dict, study: Path, scheme: str, extras: list[float], with_c
     rows = []
     for extra in extras:
         row = {**model, "extra": extra, "uniform": uniform, "modules": len(params), "val_batches": n_val,
-               **{f"cost_{m}": c for m, c in cost.items()}}
+               **{f"cost_{m}": c for m, c in cost.items()}, **{f"cpu_{m}": c for m, c in cpu.items()}}
         for method in METHODS:
             row[method] = damage(solve(params, gains[method], 4 + extra, CHOICES))
         rows.append(row)
@@ -224,9 +228,9 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.models:
-        models = models.groupby("size", group_keys=False).apply(
-            lambda g: g.iloc[np.unique(np.linspace(0, len(g) - 1, min(args.models, len(g))).round().astype(int))]
-        ).sort_values(["seed", "optimizer", "size"], ignore_index=True)
+        models = pd.concat(  # not groupby.apply: pandas 3 drops the grouping column there
+            g.iloc[np.unique(np.linspace(0, len(g) - 1, min(args.models, len(g))).round().astype(int))]
+            for _, g in models.groupby("size")).sort_values(["seed", "optimizer", "size"], ignore_index=True)
     done = [json.loads(ln) for ln in args.rows.read_text().splitlines()] if args.rows and args.rows.exists() else []
     rows, seen = list(done), {r["run_id"] for r in done}
     costed = {r["size"] for r in done if "cost_abc" in r}
@@ -251,6 +255,10 @@ def main() -> int:
         if c is not None:
             print(f"cost at {size} ({int(c['modules'])} modules, {int(c['val_batches'])} validation batches), "
                   "forward-pass equivalents: " + ", ".join(f"{m} {c[f'cost_{m}']:.1f}" for m in METHODS))
+        if "cpu_abc" in g and g["cpu_abc"].notna().any():
+            n = g.dropna(subset=["cpu_abc"])["run_id"].nunique()
+            print(f"CPU seconds of the scores at {size}, median over {n} models (one thread; load inflates them): "
+                  + ", ".join(f"{m} {g[f'cpu_{m}'].median():.2f}" for m in METHODS))
     print("\n".join(goal(df, args.sizes)))
     return 0
 

@@ -85,8 +85,9 @@ def _lm() -> tuple[LM, torch.Tensor]:
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
-@pytest.mark.parametrize("a_bits", [4, 16])
+@pytest.mark.parametrize("a_bits", [4, 8, 16])
 def test_a_plan_with_every_module_at_4_bits_is_uniform_w4_bitwise(method, a_bits):
+    """W4A4, W4A8 and W4A16: the plan's 4 bits are the scheme's; its 8 makes W8A8 (W8A16 weight-only), its 16 FP."""
     model, idx = _lm()
     cfg = PTQConfig(method=method, a_bits=a_bits, n_calib=4)
     names = [n for n, _ in linear_layers(model)]
@@ -102,7 +103,7 @@ def test_a_plan_with_every_module_at_4_bits_is_uniform_w4_bitwise(method, a_bits
     assert not torch.equal(mixed.state_dict()[names[0] + ".weight"], a[names[0] + ".weight"])
     assert torch.equal(mixed.state_dict()[names[1] + ".weight"], model.state_dict()[names[1] + ".weight"])
     first = mixed.get_submodule(names[0])
-    assert isinstance(first, QuantLinear) and first.scheme.startswith("w8a" + ("8" if a_bits == 4 else "16"))
+    assert isinstance(first, QuantLinear) and first.scheme.startswith("w8a" + ("16" if a_bits == 16 else "8"))
 
 
 def test_a_plan_naming_a_module_not_in_the_model_is_an_error():
@@ -303,6 +304,8 @@ def test_the_cli_writes_a_plan_that_ptq_applies(nano_run, tmp_path, capsys):
         ("impossible", ["--avg-bits", "9"], "impossible"),
         ("choices", ["--avg-bits", "4.5", "--choices", "4,5", "--format", "mxfp4"], "choices"),
         ("choices", ["--avg-bits", "4.5", "--choices", "4,x"], "comma-separated"),
+        ("rotated", ["--avg-bits", "4.5", "--rotation", "hadamard", "--recipe", str(recipe)], "Hadamard rotation"),
+        ("mxfp4", ["--avg-bits", "4", "--choices", "4,16", "--format", "mxfp4", "--torchao", str(snippet)], "mxfp4"),
     ]:
         assert main(["bits", str(nano_run), *args, "--plan-out", str(tmp_path / f"{case}.json")]) == 2, case
         one_line_error(capsys, needle)
@@ -312,6 +315,37 @@ def test_the_cli_writes_a_plan_that_ptq_applies(nano_run, tmp_path, capsys):
     (tmp_path / "bits.json").write_text(json.dumps(dict(record, modules={m: {"bits": 6} for m in bits})))
     assert main(["ptq", str(nano_run), "--plan", str(tmp_path / "bits.json"), "--mc-items", "0"]) == 2
     one_line_error(capsys, "bits 6", "choices")
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_the_cli_plans_and_applies_a_rotated_scheme(nano_run, tmp_path, capsys, method):
+    """`optquant bits --rotation hadamard` then `optquant ptq --plan`: the rotation wraps o_proj and down_proj
+    (`Rotated`, the linear inside as `.linear`), yet plan.json names every module by its model name and keeps the
+    scheme's rotation, `ptq --plan` applies it, and a plan with every module at 4 bits gives the uniform rotated
+    scheme's damage exactly while the planned one differs from it."""
+    from optquant.ptq_stage import LoadedRun
+    from optquant.runs import RunDir
+
+    def damage(*args: str) -> float:
+        capsys.readouterr()
+        assert main(["ptq", str(nano_run), *args, "--mc-items", "0"]) == 0
+        return json.loads(capsys.readouterr().out.rsplit("written:", 1)[0])["val_loss_q"]
+
+    scheme, plan = ["--method", method, "--rotation", "hadamard"], tmp_path / "plan.json"
+    assert main(["bits", str(nano_run), *scheme, "--avg-bits", "4.5", "--plan-out", str(plan)]) == 0
+    record = json.loads(plan.read_text())
+    names = {n for n, _ in linear_layers(LoadedRun(nano_run, "final").model)}
+    assert set(record["modules"]) == names and {"blocks.0.attn.inner.o_proj", "blocks.0.mlp.inner.down_proj"} <= names
+    assert (record["ptq"]["method"], record["ptq"]["rotation"]) == (method, "hadamard")
+    bits = {m: v["bits"] for m, v in record["modules"].items()}
+    assert set(bits.values()) == {4, 8} and record["plan_avg_bits"] <= 4.5
+    planned = damage("--plan", str(plan))
+    written = json.loads(RunDir(nano_run).ptq_file("final", PTQConfig(**record["ptq"], plan=tuple(bits.items())).name,
+                                                   "damage").read_text())
+    assert written["ptq"]["rotation"] == "hadamard" and dict(map(tuple, written["ptq"]["plan"])) == bits
+    (tmp_path / "all4.json").write_text(json.dumps(dict(record, modules={m: {"bits": 4} for m in bits})))
+    uniform = damage(*scheme)
+    assert damage("--plan", str(tmp_path / "all4.json")) == uniform != planned
 
 
 def test_the_study_plans_each_cl_model_once_and_the_report_shows_them(nano_run, tmp_path, monkeypatch):
@@ -358,9 +392,13 @@ def test_the_study_plans_each_cl_model_once_and_the_report_shows_them(nano_run, 
 
 def test_a_smoke_study_reports_its_plans_in_html_and_markdown(smoke_study):
     """run_study's bits stage wrote one plan per CL model under the first PTQ scheme, and both reports show them."""
+    import re
+
+    import numpy as np
     import pandas as pd
 
     from optquant.report import report_markdown
+    from optquant.report.bit_plans import plan_grid
 
     df = pd.read_parquet(smoke_study / "results.parquet")
     cl = set(df.loc[df["kind"] == "cl", "run_id"])
@@ -370,6 +408,17 @@ def test_a_smoke_study_reports_its_plans_in_html_and_markdown(smoke_study):
     html = (smoke_study / "report" / "index.html").read_text()
     assert '<section id="bits">' in html and "bits_" in html.split('<section id="bits">')[1]
     assert "### Bit plans: the modules kept at the highest choice" in report_markdown(smoke_study)
+    section = html.split('<section id="bits">')[1].split("</section>")[0]
+    figs = sorted(set(re.findall(r'src="(figures/bits_[^"]+\.png)"', section)))
+    sizes = {r["size"] for r in plans.values()}
+    assert len(figs) == len(sizes) and all((smoke_study / "report" / f).stat().st_size > 0 for f in figs)
+    for size in sizes:  # each figure's grid: every module of the size's plans once, by kind and layer
+        records = [r for r in plans.values() if r["size"] == size]
+        kinds, layers, share, high = plan_grid(records)
+        assert share.size == len(records[0]["modules"]) and np.isfinite(share).all()
+        assert layers == list(range(len(layers))) and np.nansum(share) == pytest.approx(1)
+        keep = [np.mean([r["modules"][m]["bits"] == 8 for r in records]) for m in records[0]["modules"]]
+        assert sorted(high.ravel()) == pytest.approx(sorted(keep))
 
 
 def test_the_exports_name_the_hf_modules():
@@ -382,6 +431,32 @@ def test_the_exports_name_the_hf_modules():
     assert groups["group_w8"]["targets"] == ["re:^model[.]layers[.]0[.]self_attn[.]q_proj$"]
     assert groups["group_w4"]["input_activations"] is None and set(groups) == {"group_w4", "group_w8"}
     assert "model.layers.1.mlp.up_proj" not in torchao_snippet(bits, names)  # 16 bits: left in FP
+    w4a8 = llmcompressor_recipe(bits, {"a_bits": 8})["quant_stage"]["quant_modifiers"]["QuantizationModifier"]
+    assert [g["input_activations"]["num_bits"] for g in w4a8["config_groups"].values()] == [8, 8]  # as for_module
+
+
+def test_the_torchao_snippet_applies_the_plan():
+    """The snippet run by torchao (skipped where it is not installed; checked with 0.18 on CPU): each module at its
+    planned bits on --grid full's scales (absmax/7.5 at 4 bits), left FP at 16; its integers are optquant's but for
+    a row's negative extreme, −absmax/scale = −7.5, which torchao rounds to −7 and optquant to −8."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 32, bias=False) for _ in range(3)))
+    plan = {"0": 8, "1": 4, "2": 16}
+    ours = quantize_(copy.deepcopy(model), PTQConfig(a_bits=16, grid="full", plan=tuple(plan.items())))
+    fp = [lin.weight.detach().clone() for lin in model]
+    space: dict = {}
+    exec(torchao_snippet(plan), space)
+    space["apply_plan"](model)
+    for i, bits in enumerate(plan.values()):
+        w, q = model[i].weight, ours[i].weight.detach()
+        if bits == 16:
+            assert type(w) is nn.Parameter and torch.equal(w, q)
+            continue
+        scale = fp[i].abs().amax(1) / (2 ** (bits - 1) - 0.5)
+        assert torch.allclose(w.scale.reshape(-1).float(), scale) and w.qdata.dtype == torch.int8, bits
+        differ = (w.qdata.float() != (q / scale[:, None]).round()).sum(1)
+        assert differ.max() <= 1 and 0 < differ.sum() <= (fp[i].amin(1) < -fp[i].amax(1)).sum(), (bits, differ)
 
 
 def roundtrip_with_llmcompressor(run, tmp_path) -> None:

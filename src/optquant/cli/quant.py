@@ -212,6 +212,10 @@ def _bits(args: argparse.Namespace) -> int:
     except ValueError:
         raise OptquantError(f"bits: --choices {args.choices!r} must be comma-separated integers, e.g. 4,8") from None
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
+    if (args.recipe or args.torchao) and (qcfg.rotation != "none" or qcfg.format != "int"):
+        what = "a Hadamard rotation" if qcfg.rotation != "none" else f"--format {qcfg.format}"
+        raise OptquantError(f"bits: --recipe and --torchao cannot hold {what} (they export integer schemes without a "
+                            "rotation); plan without it to export")
     if args.hf is not None:
         from optquant.data import DataConfig
         from optquant.hf.ptq_stage import HFSource, _setup
@@ -242,4 +246,9 @@ def _bits(args: argparse.Namespace) -> int:
     print(f"plan: {', '.join(f'{n} modules at {b} bits' for b, n in counts.items())}; average "
           f"{record['plan_avg_bits']:.4f} bits (budget {args.avg_bits}), score {args.score}")
     print(f"written: {args.plan_out}" + "".join(f", {f}" for f in (args.recipe, args.torchao) if f))
+    if (args.recipe or args.torchao) and qcfg.grid != "full":
+        print(f"note: llm-compressor and torchao round on [-8, 7] with scale absmax/7.5 (--grid full), not --grid "
+              f"{qcfg.grid}: their damage matches optquant's for a plan made with --grid full")
+    if args.torchao and qcfg.a_bits < 16:
+        print("note: the torchao snippet quantizes the weights only (its activations stay FP)")
     return 0

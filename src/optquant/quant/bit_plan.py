@@ -229,8 +229,8 @@ def yaml_text(recipe: dict) -> str:
 def _group(bits: int, targets: list[str], a_bits: int, grid: str, group_size: int) -> dict:
     quant = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group" if group_size else "channel",
              "dynamic": False, **({"group_size": group_size} if group_size else {})}
-    acts = None if a_bits >= OFF else {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "token",
-                                       "dynamic": True}
+    acts = None if a_bits >= OFF else {"num_bits": max(bits, a_bits), "type": "int", "symmetric": True,
+                                       "strategy": "token", "dynamic": True}
     return {"targets": [f"re:^{t.replace('.', '[.]')}$" for t in targets], "weights": quant,
             "input_activations": acts}
 
@@ -252,7 +252,8 @@ def llmcompressor_recipe(bits: dict[str, int], ptq: dict, names: dict[str, str] 
 
 
 def torchao_snippet(bits: dict[str, int], names: dict[str, str] | None = None) -> str:
-    """Python that applies the plan's weight bits with torchao's quantize_ and a filter_fn per bit width."""
+    """Python that applies the plan's weight bits with torchao's quantize_ and a filter_fn per bit width: weights
+    only, on --grid full's scales (torchao rounds a row's −absmax to −7, not −8: tests/test_bit_plan.py)."""
     names = names or {}
     by_bits: dict[int, list[str]] = {}
     for m, b in bits.items():

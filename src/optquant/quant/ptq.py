@@ -125,12 +125,13 @@ class PTQConfig:
         return "-".join(parts)
 
     def for_module(self, name: str) -> PTQConfig:
-        """The scheme of one linear: its planned bits for the weights and, when activations are quantized,
-        for its inputs too (a plan's 8 turns W4A4 into W8A8 and W4A16 into W8A16); else the scheme itself."""
+        """The scheme of one linear: its planned bits for the weights and, when activations are quantized, the
+        larger of those and the scheme's for its inputs (a plan's 8 turns W4A4 and W4A8 into W8A8, W4A16 into
+        W8A16; its 4 leaves W4A8 as it is); else the scheme itself."""
         bits = {model_name(n): b for n, b in self.plan}.get(model_name(name))
         if bits is None:
             return self
-        return replace(self, w_bits=bits, a_bits=OFF if self.a_bits >= OFF else bits, plan=())
+        return replace(self, w_bits=bits, a_bits=max(bits, self.a_bits), plan=())
 
 
 def _spec(bits: int, grid: str, fmt: str, group: int, per_row: str) -> QuantSpec | None:
