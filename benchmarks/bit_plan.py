@@ -9,8 +9,9 @@ plans of
 - `mmr`, `kurtosis`: the outlier metrics of the module's input activations (metrics/outliers.py);
 - `hawq`: HAWQ-v2's tr(H_m)/n_m · ‖Q(W) − W‖², the trace by Hutchinson (4 Rademacher samples per calibration
   batch); `fisher`: the same with the empirical Fisher's trace (mean ‖∇_m ℓ‖² over the calibration sequences);
-- `oracle`: greedy by measured damage (quantize all at 4, put one module at 8, measure; 1 + M val losses on the
-  run's own validation batches, as `optquant ptq` measures).
+- `oracle`: by measured damage (quantize all at 4, put one module at 8, measure; 1 + M val losses on the run's own
+  validation batches, as `optquant ptq` measures), each module's measured gain then planned by the same exact
+  knapsack as the scores, not greedily (the issue's "greedy" picks by the same gains, less well under a budget).
 Each cheap score is a module's gain as it stands (the knapsack maximizes its sum under the budget). Every plan's
 damage is measured on *other* validation windows than the oracle's and the calibration's (seed + 54321 instead of
 the study's seed + 12345, as many batches), so the oracle is not scored on the batches it was fitted to.
