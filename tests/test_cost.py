@@ -152,8 +152,8 @@ def test_stage_counts_follow_the_spec():
     assert by_name["common loss"] == pairs * seeds
     search = spec.lr_extensions + spec.lr_refine  # per 1-D search after its grid
     tied = len(spec.sizes) * 3  # Muon's AdamW group and Scion's embedding and vectors, at every size
-    assert by_name["group lr searches"] == tied * (3 + search)
-    again = len(spec.sizes) * 2 * (spec.lr_points + search)  # Muon's and Scion's LR once more
+    assert by_name["group lr searches"] == tied * (2 + search)  # a 3-point grid centred on a finished run
+    again = len(spec.sizes) * 2 * (spec.lr_points - 1 + search)  # Muon's and Scion's LR once more, the same
     assert by_name["fp sweep again where a ratio moved"] == again
     fp_runs = pairs * (spec.lr_points + spec.lr_extensions + spec.lr_refine + seeds - 1) + again
     assert by_name["ptq + analysis"] == pairs * seeds * len(spec.ptq_schemes) + fp_runs * len(spec.sweep_ptq_schemes)

@@ -80,9 +80,14 @@ SLOW = {
     "optquant train --set log.to=tensorboard",
 }
 # The slow ones CI runs too (.ci/run: -m ci): the plugin study (the smoke study with Lion: every stage and the
-# report, in place of a hand-written copy of the README's smoke study) and the refit of the default study.
+# report, in place of a hand-written copy of the README's smoke study), the smoke study scored on a local lm-eval
+# task and the refit of the default study. CPU seconds of each test, measured here niced on the loaded 2-core
+# machine (/usr/bin/time, children included): the task study 147 s, the refit 25 s. Left to `-m slow` (each alone
+# over CI's ~6 min left): the README's nano Muon run (4,925 steps; over 695 s of CPU and still training when
+# stopped) and the two default `optquant train` runs of docs/your-own.md (tiny: 12,812 steps, 28× its FLOPs).
 IN_CI = {
     "optquant study --preset smoke --set optimizers=adamw,examples/lion.py:make_optimizer",
+    "optquant study --preset smoke --set eval.tasks=my_mc --set eval.include_path=my_tasks/",
     "optquant fit studies/cpu",
 }
 

@@ -89,7 +89,10 @@ from pathlib import Path
 # 17,283.
 # Issue 31's close (+11: a plan's 4 bits keep a W4A8 scheme's activations; bits --recipe/--torchao refuse a rotation
 # or FP4 format, and note the peers' grid and the snippet's weight-only): 17,276, budget 17,281.
-BUDGET = 17_302
+# Issue 30's hostile inputs (+59 on its branch: a dry run's counts from 1- and 2-block models, a write never replaces
+# a FIFO or device, --mc-items and vocab_size bounded by the data, an empty --tasks; the group search's bounds
+# without the finished centre run): budget 17,329.
+BUDGET = 17_361
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

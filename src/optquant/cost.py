@@ -17,6 +17,7 @@ everything else is exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -148,8 +149,31 @@ def meta_model(cfg) -> nn.Module:
     from optquant.train import build_model
 
     # no init on meta: torch's normal_ decomposition is slow there (docs/benchmarks.md), and shapes need none
-    with torch.device("meta"), mock.patch.object(LM, "reset_parameters", lambda self: None):
-        return build_model(cfg)
+    try:
+        with torch.device("meta"), mock.patch.object(LM, "reset_parameters", lambda self: None):
+            return build_model(cfg)
+    except RuntimeError as e:  # model.d_model=10**9: "Storage size calculation overflowed", once a traceback
+        if "overflow" not in str(e):
+            raise
+        raise OptquantError(f"model {cfg.model.d_model=}, {cfg.model.vocab_size=}: a weight of these shapes has more "
+                            f"bytes than torch can address ({str(e).splitlines()[0]})") from None
+
+
+def meta_models(cfg) -> tuple[nn.Module, nn.Module]:
+    """The run's model with 1 and 2 blocks on the meta device, for `at_depth`: building all n_layer blocks costs
+    ~1 ms of CPU each, so a dry run of model.n_layer=100000 took minutes; from these two, what n_layer=2 does."""
+    return meta_model(_depth(cfg, 1)), meta_model(_depth(cfg, 2))
+
+
+def _depth(cfg, n_layer: int):
+    return replace(cfg, model=replace(cfg.model, n_layer=n_layer))
+
+
+def at_depth(cfg, models: tuple[nn.Module, nn.Module], measure: Callable[[nn.Module], int | None]) -> int | None:
+    """measure(the run's model) from `meta_models`: every block is the same, so a count over the parameters
+    (their number, bytes, optimizer state) is affine in the depth, one + (n_layer - 1)·(two - one)."""
+    one, two = measure(models[0]), measure(models[1])
+    return None if one is None or two is None else one + (cfg.model.n_layer - 1) * (two - one)
 
 
 def training_flops(cfg, n_matmul: int, tokens: int) -> float:
@@ -166,35 +190,37 @@ def eval_flops(cfg, n_params: int, forwards: int) -> float:
     return 2.0 * n_params * tc.eval_batches * (tc.batch_size // tc.grad_accum) * cfg.model.seq_len * forwards
 
 
-def run_cost(cfg, plan: GPUConfig = DEFAULT_GPU, model: nn.Module | None = None) -> RunCost:
-    """The cost and peak memory of training `cfg` (a RunConfig) as planned by `plan`."""
+def run_cost(cfg, plan: GPUConfig = DEFAULT_GPU, models: tuple[nn.Module, nn.Module] | None = None) -> RunCost:
+    """The cost and peak memory of training `cfg` (a RunConfig) as planned by `plan`; `models`: its
+    `meta_models`, when already built."""
     from optquant.model import count_params
-    from optquant.train import total_steps
+    from optquant.train import steps_for
 
     acc = plan.accelerator()
-    model = meta_model(cfg) if model is None else model
+    models = models or meta_models(cfg)
     tc = cfg.train
     if tc.batch_size % (tc.grad_accum * plan.gpus_per_run):
         raise OptquantError(f"train.batch_size={tc.batch_size} is not divisible by grad_accum×gpus "
                             f"= {tc.grad_accum}×{plan.gpus_per_run}")
-    n, n_ne = count_params(model), count_params(model, embeddings=False)
-    tied = model.lm_head.weight is model.embed.weight
-    n_matmul = n if tied else n - model.embed.weight.numel()
-    steps = total_steps(cfg, model)
+    n, n_ne = at_depth(cfg, models, count_params), at_depth(cfg, models, lambda m: count_params(m, embeddings=False))
+    tied = models[0].lm_head.weight is models[0].embed.weight
+    n_matmul = n if tied else n - models[0].embed.weight.numel()
+    steps = steps_for(cfg, n if tc.budget_params == "total" else n_ne)
     tokens = steps * tc.batch_size * cfg.model.seq_len
     flops = training_flops(cfg, n_matmul, tokens)
-    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    state = optimizer_state_bytes(model, cfg.optim)
+    weights = at_depth(cfg, models, lambda m: sum(p.numel() * p.element_size()
+                                                  for p in {id(p): p for p in m.parameters()}.values()))
+    state = at_depth(cfg, models, lambda m: optimizer_state_bytes(m, cfg.optim))
     bf16 = tc.precision != "fp32"  # auto = bf16 on every GPU with bf16 (the planner's targets)
     micro = tc.batch_size // (tc.grad_accum * plan.gpus_per_run)
     acts = activation_bytes(cfg, micro, bf16)
     fits = weights * 2 + (state or 0) + acts <= acc.memory
     hours = flops / (acc.bf16_flops * plan.mfu) / 3600
     budget = RunCost(n, n_ne, steps, tokens, flops, micro, weights, weights, state, acts, hours, fits, None)
-    return budget if fits else replace(budget, fix=_fix(cfg, plan, model, budget))
+    return budget if fits else replace(budget, fix=_fix(cfg, plan, models, budget))
 
 
-def _fix(cfg, plan: GPUConfig, model: nn.Module, b: RunCost) -> str:
+def _fix(cfg, plan: GPUConfig, models: tuple[nn.Module, nn.Module], b: RunCost) -> str:
     """The smallest change that fits: a larger grad_accum (smaller micro-batch), else a lower cap."""
     acc, tc = plan.accelerator(), cfg.train
     bf16 = tc.precision != "fp32"
@@ -209,7 +235,8 @@ def _fix(cfg, plan: GPUConfig, model: nn.Module, b: RunCost) -> str:
         cap = cfg.optim.max_precondition_dim
         while cap > 128:
             cap //= 2
-            need = 2 * b.weights + optimizer_state_bytes(model, replace(cfg.optim, max_precondition_dim=cap))
+            capped = replace(cfg.optim, max_precondition_dim=cap)
+            need = 2 * b.weights + at_depth(cfg, models, lambda m, o=capped: optimizer_state_bytes(m, o))
             if need + act1 <= acc.memory:
                 accum = next(a for a in range(tc.grad_accum, per_gpu + 1) if per_gpu % a == 0 and need
                              + activation_bytes(cfg, per_gpu // a, bf16) <= acc.memory)

@@ -270,6 +270,10 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     """Byte-level BPE with exactly `vocab_size` tokens (256 bytes + EOT + merges), EOT id 0."""
     if vocab_size < 257:
         raise OptquantError(f"vocab_size must be at least 257 (256 bytes + end-of-text), got {vocab_size}")
+    if vocab_size > 257 + (size := sum(len(t.encode()) for t in texts)):  # the trainer sizes its tables by
+        # vocab_size first: 2e9 aborted the process (a Rust out-of-memory), where a merge needs a pair of bytes
+        raise OptquantError(f"vocab_size={vocab_size:,}: a BPE learns at most one token per byte of its "
+                            f"{size:,}-byte training text (plus 257); lower model.vocab_size or add text")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

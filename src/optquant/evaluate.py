@@ -195,6 +195,9 @@ def build_mc_items(
             f"multiple choice: the validation split has {ctx_docs.size} documents of >= {need} tokens and "
             f"{src_docs.size} of >= {cfg.cont_len}; need 1 and {cfg.n_choices}"
         )
+    if cfg.n_items > (contexts := sum(len(docs[d]) - need + 1 for d in ctx_docs)):  # 10**9 once ran for hours
+        raise OptquantError(f"multiple choice: {cfg.n_items:,} items exceed the {contexts:,} distinct contexts of "
+                            f"{need} tokens in the validation split (more would only repeat them); ask for fewer")
     rng = np.random.default_rng(cfg.seed)
     items = []
     for _ in range(cfg.n_items):

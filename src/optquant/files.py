@@ -11,6 +11,7 @@ Light on imports (no torch; pandas only for parquet) so that the report and the 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -78,10 +79,13 @@ def regular_file(path: Path, kind: str) -> int:
     except FileNotFoundError:
         raise OptquantError(f"{path}: file not found") from None
     if not stat.S_ISREG(mode):
-        what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
-        raise OptquantError(f"{path}: is {what}, not a {kind} file")
+        raise OptquantError(f"{path}: is {_what(mode)}, not a {kind} file")
     return size
+
+
+def _what(mode: int) -> str:
+    return ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
 
 
 def read_text(path: Path, kind: str, limit: int = MAX_TEXT_BYTES) -> str:
@@ -211,8 +215,13 @@ def atomic_write(path: Path, write: Any) -> None:
     `tmp` lies in a private temporary directory beside `path`, so that whatever a writer (or a library
     under it, like safetensors with its own temporaries) leaves on a kill is one directory with a name
     the next write recognises and removes. The file gets mode 0o666 & ~umask, like any file the user
-    creates. The temporary is removed if anything fails; a full disk is reported as such, naming the file."""
+    creates. The temporary is removed if anything fails; a full disk is reported as such, naming the file.
+    A directory, FIFO, device or socket at `path` is refused, not replaced (as root, `--recipe /dev/full` once
+    put a file in place of the device)."""
     path = Path(path)
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        if not stat.S_ISREG(mode := os.lstat(path).st_mode) and not stat.S_ISLNK(mode):
+            raise OptquantError(f"{path}: is {_what(mode)}; optquant writes a file there (choose a file path)")
     tmp_dir = temp_path(path)
     tmp_dir.mkdir()
     tmp = tmp_dir / path.name

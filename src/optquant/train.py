@@ -65,9 +65,13 @@ def lr_multiplier(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 def total_steps(cfg: RunConfig, model: nn.Module) -> int:
+    return steps_for(cfg, count_params(model, embeddings=cfg.train.budget_params == "total"))
+
+
+def steps_for(cfg: RunConfig, n: int) -> int:
+    """The steps of `cfg` for a model of `n` parameters as train.budget_params counts them."""
     if cfg.train.steps > 0:
         return cfg.train.steps
-    n = count_params(model, embeddings=cfg.train.budget_params == "total")
     return max(1, math.ceil(cfg.train.tokens_per_param * n / (cfg.train.batch_size * cfg.model.seq_len)))
 
 

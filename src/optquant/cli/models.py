@@ -22,6 +22,8 @@ def _eval(args: argparse.Namespace) -> int:
     from optquant.runs import RunDir
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:  # `--tasks ,` once wrote an empty result and exited 0
+        raise OptquantError(f"eval: --tasks {args.tasks!r} names no task (e.g. --tasks piqa,hellaswag)")
     if args.tokenizer and args.hf is None:
         raise OptquantError("eval: --tokenizer goes with --hf (a run has its own tokenizer)")
     model, tok, eot, prefix = _load_model(args.run_dir, args.hf, args.weights, tokenizer=args.tokenizer)

@@ -78,7 +78,8 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize-head", action="store_true", default=None, help="also quantize the LM head")
     p.add_argument("--weights", choices=["final", "cl"], default="final",
                    help="final weights or the Common-Loss checkpoint")
-    p.add_argument("--mc-items", type=flag(Natural), default=200, help="multiple-choice items (0 = skip)")
+    p.add_argument("--mc-items", type=flag(Natural), default=200,
+                   help="multiple-choice items (0 = skip; at most the validation split's distinct contexts)")
     if p.prog.split()[-1] == "ptq":
         p.add_argument("--plan", type=Path, help="a bit plan from optquant bits: each module at its planned bits "
                        "(the scheme is the plan's; --method/--w-bits/--a-bits/... are ignored)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from optquant.cost import DEFAULT_GPU, GPUConfig, RunCost, gb, meta_model, run_cost
+from optquant.cost import DEFAULT_GPU, GPUConfig, RunCost, gb, meta_models, run_cost
 from optquant.data import check_epochs, epochs, train_tokens
 from optquant.study.plan import planned
 from optquant.study_spec import StudySpec, run_config
@@ -60,11 +60,11 @@ def run_costs(spec: StudySpec, plan: GPUConfig) -> dict[tuple[str, str], RunCost
     """(optimizer, size) → the budget of one FP run (the LR does not change cost or memory)."""
     out = {}
     for size in spec.sizes:
-        model = None
+        models = None
         for opt in spec.optimizers:
             cfg = run_config(spec, size, opt)
-            model = model or meta_model(cfg)
-            out[(opt, size)] = run_cost(cfg, plan, model)
+            models = models or meta_models(cfg)
+            out[(opt, size)] = run_cost(cfg, plan, models)
     return out
 
 

@@ -61,11 +61,11 @@ class Job(Protocol):
 
 def forward_cost(path: Path, key: str, stage: str) -> float:
     """A PTQ or outlier job's FLOPs (cost.eval_flops); 0 while its run's config cannot be read."""
-    from optquant.cost import EVAL_FORWARDS, eval_flops, meta_model
+    from optquant.cost import EVAL_FORWARDS, at_depth, eval_flops, meta_models
     from optquant.model import count_params
 
     cfg = _config_of(path, key)
-    return 0.0 if cfg is None else eval_flops(cfg, count_params(meta_model(cfg)), EVAL_FORWARDS[stage])
+    return 0.0 if cfg is None else eval_flops(cfg, at_depth(cfg, meta_models(cfg), count_params), EVAL_FORWARDS[stage])
 
 
 def _run_facts(cfg: RunConfig | None) -> dict[str, Any]:
@@ -106,14 +106,15 @@ class TrainJob:
 
     def cost(self) -> float:
         """Training FLOPs: 6·N·D + attention (cost.training_flops)."""
-        from optquant.cost import meta_model, training_flops
+        from optquant.cost import at_depth, meta_models, training_flops
         from optquant.model import count_params
-        from optquant.train import total_steps
+        from optquant.train import steps_for
 
-        cfg = self.cfg
-        model = meta_model(cfg)
-        tokens = total_steps(cfg, model) * cfg.train.batch_size * cfg.model.seq_len
-        return training_flops(cfg, count_params(model), tokens)
+        cfg, models = self.cfg, meta_models(self.cfg)
+        n = at_depth(cfg, models, count_params)
+        budget = n if cfg.train.budget_params == "total" else at_depth(cfg, models, lambda m: count_params(m, False))
+        tokens = steps_for(cfg, budget) * cfg.train.batch_size * cfg.model.seq_len
+        return training_flops(cfg, n, tokens)
 
     def run(self) -> tuple[Result, dict[str, float]]:
         with locked(Path(self.dir)):

@@ -360,6 +360,12 @@ def _after_grid(spec: StudySpec) -> int:
     return spec.lr_extensions + int(spec.lr_refine)
 
 
+def _new_in_centred(points: int) -> int:
+    """New runs in a grid centred on a point already run (tuning.centred, odd `points`): a ratio's grid on the
+    best LR's run, the LR again on the last ratio search's best run; the centre is a done run, not a job."""
+    return points - points % 2
+
+
 def _ptq(spec: StudySpec, c: Counts) -> dict[Key, float]:
     """Every PTQ scheme on each CL model, the sweep schemes on each analysed FP run."""
     return {k: c["cl"][k] * len(spec.ptq_schemes) + c["analysed"][k] * len(spec.sweep_ptq_schemes)
@@ -385,9 +391,11 @@ STEPS = (
             expected=_one_round),  # two new LRs in the first round of a one-point grid
         Stage("fp", "fp refinement (≤ 1)", lambda spec, c: _each(spec, lambda o: int(spec.lr_refine))),
         Stage("fp", "group lr searches (tied ratios, ≤ bound)", lambda spec, c: _each(
-            spec, lambda o: len(group_fields(spec, o)) * (3 + _after_grid(spec))), expected=_half, analysed=False),
+            spec, lambda o: len(group_fields(spec, o)) * (_new_in_centred(3) + _after_grid(spec))), expected=_half,
+            analysed=False),
         Stage("fp", "fp sweep again where a ratio moved (≤ bound)", lambda spec, c: _each(
-            spec, lambda o: (spec.lr_points + _after_grid(spec)) * bool(group_fields(spec, o))), expected=_half),
+            spec, lambda o: (_new_in_centred(spec.lr_points) + _after_grid(spec)) * bool(group_fields(spec, o))),
+            expected=_half),
         Stage("fp", "fp seeds (best LR, other seeds)", lambda spec, c: _each(
             spec, lambda o: len(repeat_seeds(spec.seeds)))),
     )),
