@@ -168,7 +168,7 @@ def test_eta_goal_on_the_default_study_at_any_machine_speed(name, slower):
 def test_eta_goal_holds_when_the_probe_misjudges_the_machine_by_30_percent(slower):
     """The probed recording replayed 1.3× slower or faster while its probe stays as measured (the load changed
     after the probe): each size's first jobs correct its prior, and the goal holds from 5 % on. (Off by 1.6×,
-    it does not: 1.40 at 5 %, docs/benchmarks.md.)"""
+    it does not: 1.36 at 5 %, docs/benchmarks.md.)"""
     study, records = load(DATA / "costs-cpu-probed.jsonl")
     got = ratios(study, scaled(records, slower))
     assert all(GOAL[0] <= r <= GOAL[1] for f, r in got.items() if f >= 0.05), got
