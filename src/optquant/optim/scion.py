@@ -30,7 +30,7 @@ import torch
 from pytorch_optimizer import SCION
 from pytorch_optimizer.optimizer.scion import LMONorm, Norm, Spectral
 
-from optquant.optim.groups import ParamGroups
+from optquant.optim.groups import LRGroup, ParamGroups
 from optquant.optim.newton_schulz import DTYPES, newton_schulz, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
 from optquant.ranges import Count, NonNegative, Positive, Probability
 
@@ -122,12 +122,20 @@ class ScionConfig:
         """pytorch_optimizer.SCION's one momentum buffer `d` per parameter, like the parameter."""
         return math.prod(shape) * element_size
 
+    def lr_groups(self) -> list[LRGroup]:
+        return [LRGroup(("embeddings",), self._lr("embed"), self.embed_lr_ratio > 0, "embed_lr_ratio"),
+                LRGroup(("vectors",), self._lr("vector"), self.vector_lr_ratio > 0, "vector_lr_ratio"),
+                LRGroup(("matrices",), self.lr)]
+
+    def _lr(self, group: str) -> float:
+        """The embedding's or the vectors' step size: its ratio × lr when the ratio is set, else its fixed value."""
+        ratio = getattr(self, f"{group}_lr_ratio")
+        return ratio * self.lr if ratio > 0 else getattr(self, f"{group}_lr")
+
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
-        embed_lr = self.embed_lr_ratio * self.lr if self.embed_lr_ratio > 0 else self.embed_lr
-        vector_lr = self.vector_lr_ratio * self.lr if self.vector_lr_ratio > 0 else self.vector_lr
         spec = [
-            (groups.embeddings, embed_lr, int(LMONorm.SIGN), {}),
-            (groups.vectors, vector_lr, _VECTOR_NORM[self.vector_lmo], {}),
+            (groups.embeddings, self._lr("embed"), int(LMONorm.SIGN), {}),
+            (groups.vectors, self._lr("vector"), _VECTOR_NORM[self.vector_lmo], {}),
             (groups.matrices, self.lr, int(LMONorm.SPECTRAL), {"num_steps": self.ns_steps}),
         ]
         params = [
