@@ -84,7 +84,9 @@ from pathlib import Path
 # model.attn_gate, Qwen's gated attention; the Seeds table's scheme from the arm): 17,256 merged, budget 17,260.
 # The merge's mends (+9: the StudySpec module below the report, study_spec.py, with round_lr; a sweep's bad value names
 # the sweep; a robust entry that does not parse names the entry): 17,265, budget 17,270.
-BUDGET = 17_270
+# Issue 29's typed TOML, declared groups and carried brackets (+31 on its branch: config.settings/typed, a study TOML
+# typed as TOML gave it; each optimizer's lr_groups beside its build, no trial build; Tuning.ratio_ends): budget 17,301.
+BUDGET = 17_301
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 

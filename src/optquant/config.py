@@ -249,13 +249,12 @@ def parse_value(value: str, tp: Any, path: str) -> Any:
     if typing.get_origin(tp) in (tuple, list):
         text = [v.strip() for v in text.strip("()[]").split(",") if v.strip()]
     try:
-        out = msgspec.convert(text, tp, strict=False)
+        return msgspec.convert(text, tp, strict=False)
     except msgspec.ValidationError as e:
         if isinstance(text, str) and text.lower() in _WORDS:
             with contextlib.suppress(msgspec.ValidationError):
                 return msgspec.convert(_WORDS[text.lower()], tp)
         raise OptquantError(f"--set {path}={value}: {e}{_choices(tp)}") from None
-    return out
 
 
 def field_type(cfg: Any, keys: list[str], path: str) -> tuple[list[str], Any]:
@@ -272,15 +271,12 @@ def field_type(cfg: Any, keys: list[str], path: str) -> tuple[list[str], Any]:
 
 
 def typed(value: Any, tp: Any, path: str) -> Any:
-    """`value` as type `tp`: a --set string parsed by it, a TOML or JSON value checked against it as it is typed
-    (no string is read as a number; an int is a float where a float belongs); errors name the dotted `path`."""
-    if isinstance(value, SetText):
-        out = parse_value(value, tp, path)
-    else:
-        try:
-            out = msgspec.convert(value, tp)
-        except msgspec.ValidationError as e:
-            raise OptquantError(f"{path}={value!r}: {e}{_choices(tp)}") from None
+    """`value` as type `tp`, a finite number where it is one: a --set string (SetText) parsed by it, a TOML or JSON
+    value checked as it is typed (no string is read as a number; an int is a float where a float belongs)."""
+    try:
+        out = parse_value(value, tp, path) if isinstance(value, SetText) else msgspec.convert(value, tp)
+    except msgspec.ValidationError as e:
+        raise OptquantError(f"{path}={value!r}: {e}{_choices(tp)}") from None
     if any(isinstance(v, float) and not math.isfinite(v) for v in (out if isinstance(out, tuple | list) else [out])):
         raise OptquantError(f"{'--set ' * isinstance(value, SetText)}{path}={value}: must be a finite number")
     return out
@@ -337,23 +333,13 @@ def settings(items: list, example: str = "optim.lr=3e-3") -> list[tuple[str, Any
     and pairs given as they are (a TOML file's, typed)."""
     out = []
     for item in items:
-        if isinstance(item, tuple):
-            out.append(item)
-            continue
-        if not isinstance(item, str) or "=" not in item:
+        if isinstance(item, str) and "=" in item:
+            key, value = item.split("=", 1)
+            item = (key.strip(), SetText(value.strip()))
+        elif not isinstance(item, tuple):
             raise OptquantError(f"--set {item}: expected key=value, e.g. {example}")
-        key, value = item.split("=", 1)
-        out.append((key.strip(), SetText(value.strip())))
+        out.append(item)
     return out
-
-
-def parse_overrides(overrides: list) -> dict[str, Any]:
-    """`settings` as {dotted key: value}, which `override` takes; a key given twice keeps its last value."""
-    values: dict[str, Any] = {}
-    for key, value in settings(overrides):
-        values.pop(key, None)  # the last one wins, in its place
-        values[key] = value
-    return values
 
 
 def typed_overrides(overrides: list, optim: str = "adamw") -> dict[str, Any]:
@@ -361,12 +347,12 @@ def typed_overrides(overrides: list, optim: str = "adamw") -> dict[str, Any]:
     typed once when its spec is built; `override` takes them as they are."""
     shape = RunConfig(optim=optimizer_config(optim), qat=QATConfig())
     return {key: typed(value, str if key in ("optim.name", "qat") else field_type(shape, key.split("."), key)[1],
-                       key) for key, value in parse_overrides(overrides).items()}
+                       key) for key, value in settings(overrides)}
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     """Apply `a.b=value` overrides (optimizer and QAT switches first)."""
-    return override(cfg, parse_overrides(overrides))
+    return override(cfg, dict(settings(overrides)))  # a key given twice: its last value
 
 
 def _flatten_toml(table: dict, prefix: str = "") -> dict[str, Any]:
@@ -392,7 +378,4 @@ def resolve(preset: str | None, toml_path: Path | None, overrides: list) -> RunC
     """preset → TOML file → --set overrides (`settings`), each later one winning (the switches first, wherever).
     TOML values keep TOML's types: a list or a string where a number belongs is an error naming the key."""
     toml_preset, values = read_toml(toml_path) if toml_path else (None, {})
-    for key, value in parse_overrides(overrides).items():
-        values.pop(key, None)  # the last one wins, in its place
-        values[key] = value
-    return override(run_preset(preset or toml_preset or "tiny"), values)
+    return override(run_preset(preset or toml_preset or "tiny"), dict(settings([*values.items(), *overrides])))

@@ -194,15 +194,14 @@ def apply_study_overrides(spec: StudySpec, overrides: list) -> StudySpec:
     `sweeps.muon.optim.momentum=0.9,0.95`, `eval.tasks=piqa,arc_easy`."""
     for key, value in settings(overrides, "sizes=nano,micro"):
         if key == "run" or key.startswith(("run.", "data.")):  # `data.source=DIR` is `run=data.source=DIR`
-            given = [(key[4:] if key.startswith("run.") else key, value)] if key != "run" else \
-                settings(value if isinstance(value, list) else [value])  # TOML's `run = ["k=v", ...]`: --set's
+            given = [(key.removeprefix("run."), value)] if key != "run" else settings(  # TOML: run = ["k=v", ...]
+                value if isinstance(value, list) else [value])
             spec = replace(spec, run={**spec.run, **typed_overrides(given, (*spec.optimizers, "adamw")[0])})
         elif key.startswith("lrs."):
             spec = replace(spec, lrs={**spec.lrs, _known_optimizer(key[4:], key): typed(value, tuple[float, ...], key)})
         elif key.startswith("sweeps."):
             opt, _, param = key[7:].partition(".")
-            values = [SetText(v) for v in value.split(",")] if isinstance(value, SetText) else value
-            swept = _sweep_values(_known_optimizer(opt, key), param, values)
+            swept = _sweep_values(_known_optimizer(opt, key), param, value)
             spec = replace(spec, sweeps={**spec.sweeps, opt: {**spec.sweeps.get(opt, {}), param: swept}})
         else:
             spec = set_field(spec, key.split("."), value, key)
@@ -227,11 +226,12 @@ def robust_settings(entry: str) -> dict[str, Any]:
 
 def _sweep_values(opt: str, param: str, values: Any) -> tuple[Any, ...]:
     """A sweep's values (--set's text split at commas, or a TOML list), each typed by its field in a run of `opt`."""
+    if isinstance(values, SetText):
+        values = [SetText(v) for v in values.split(",") if v.strip()]
     if not isinstance(values, list | tuple):
         raise OptquantError(f"sweeps.{opt}.{param}={values!r}: expected a list of values")
     try:
-        return tuple(typed_overrides([(param, v)], opt)[param] for v in values if not isinstance(v, SetText) or
-                     v.strip())
+        return tuple(typed_overrides([(param, v)], opt)[param] for v in values)
     except OptquantError as e:
         raise OptquantError(f"sweeps.{opt}.{param}: {e}") from None
 

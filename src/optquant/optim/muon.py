@@ -105,11 +105,10 @@ class MuonConfig:
         return AdamWConfig().state_bytes(shape, element_size, group)
 
     def lr_groups(self) -> list[LRGroup]:
-        return [LRGroup(("matrices",), self.lr), *(LRGroup((kind,), self._adam_lr(), self.adam_lr_ratio > 0,
-                                                          "adam_lr_ratio") for kind in ("embeddings", "vectors"))]
-
-    def _adam_lr(self) -> float:
-        return self.adam_lr_ratio * self.lr if self.adam_lr_ratio > 0 else self.adam_lr
+        tied = self.adam_lr_ratio > 0
+        adam_lr = self.adam_lr_ratio * self.lr if tied else self.adam_lr
+        return [LRGroup(("matrices",), self.lr), *(LRGroup((kind,), adam_lr, tied, "adam_lr_ratio")
+                                                   for kind in ("embeddings", "vectors"))]
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         optimizers: list[torch.optim.Optimizer] = []
@@ -127,7 +126,7 @@ class MuonConfig:
                 )
             )
         if groups.embeddings or groups.vectors:  # the rest: the AdamW optimizer's own build, without the matrices
-            adamw = AdamWConfig(lr=self._adam_lr(), beta1=self.adam_beta1, beta2=self.adam_beta2, eps=self.adam_eps,
-                                weight_decay=self.weight_decay)
+            adamw = AdamWConfig(lr=self.lr_groups()[-1].lr, beta1=self.adam_beta1, beta2=self.adam_beta2,
+                                eps=self.adam_eps, weight_decay=self.weight_decay)
             optimizers += adamw.build(replace(groups, matrices=[]))
         return optimizers

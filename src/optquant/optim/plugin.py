@@ -17,8 +17,8 @@ lr elsewhere); every group's lr becomes its `base_lr`, which the training schedu
 the built-in optimizers. Every trainable parameter must be in exactly one group; the optimizer's state
 must hold only tensors, numbers, strings, bools, None, lists and dicts (checkpoints store it as JSON +
 safetensors). Without `default_lr` a run needs `optim.lr=...` and a study `lrs.<name>=...`. A study's tuning
-table, which does not build the optimizer, shows a plugin's three groups each at lr (searched), as
-`make_optimizer` above packs them.
+table, which builds no optimizer, shows a plugin's three groups each in its own param group at lr (searched), as
+examples/lion.py packs them: the stated default (`PluginConfig.lr_groups`), whatever the factory does.
 """
 
 from __future__ import annotations

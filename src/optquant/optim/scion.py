@@ -123,19 +123,16 @@ class ScionConfig:
         return math.prod(shape) * element_size
 
     def lr_groups(self) -> list[LRGroup]:
-        return [LRGroup(("embeddings",), self._lr("embed"), self.embed_lr_ratio > 0, "embed_lr_ratio"),
-                LRGroup(("vectors",), self._lr("vector"), self.vector_lr_ratio > 0, "vector_lr_ratio"),
+        e, v = self.embed_lr_ratio, self.vector_lr_ratio  # > 0: tied to lr
+        return [LRGroup(("embeddings",), e * self.lr if e > 0 else self.embed_lr, e > 0, "embed_lr_ratio"),
+                LRGroup(("vectors",), v * self.lr if v > 0 else self.vector_lr, v > 0, "vector_lr_ratio"),
                 LRGroup(("matrices",), self.lr)]
 
-    def _lr(self, group: str) -> float:
-        """The embedding's or the vectors' step size: its ratio × lr when the ratio is set, else its fixed value."""
-        ratio = getattr(self, f"{group}_lr_ratio")
-        return ratio * self.lr if ratio > 0 else getattr(self, f"{group}_lr")
-
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
+        embed_lr, vector_lr, _ = (g.lr for g in self.lr_groups())
         spec = [
-            (groups.embeddings, self._lr("embed"), int(LMONorm.SIGN), {}),
-            (groups.vectors, self._lr("vector"), _VECTOR_NORM[self.vector_lmo], {}),
+            (groups.embeddings, embed_lr, int(LMONorm.SIGN), {}),
+            (groups.vectors, vector_lr, _VECTOR_NORM[self.vector_lmo], {}),
             (groups.matrices, self.lr, int(LMONorm.SPECTRAL), {"num_steps": self.ns_steps}),
         ]
         params = [

@@ -200,9 +200,8 @@ def step_sizes(cfg: RunConfig, searched: set[str]) -> list[dict[str, Any]]:
     from optquant.optim import split_params
 
     counts = {kind: sum(p.numel() for p in ps) for kind, ps in vars(split_params(meta_model(cfg))).items()}
-    rows: dict[tuple, dict[str, Any]] = {}
-    lr = cfg.optim.lr
-    for g in cfg.optim.lr_groups():
+    rows, lr = [], cfg.optim.lr
+    for g in cfg.optim.lr_groups():  # each parameter group in one param group: no two rows to merge
         if not (kinds := sorted(k for k in g.kinds if counts[k])):
             continue  # build leaves out an empty param group
         if math.isclose(g.lr, lr, rel_tol=1e-9):
@@ -210,9 +209,6 @@ def step_sizes(cfg: RunConfig, searched: set[str]) -> list[dict[str, Any]]:
         else:
             fld = g.ratio if g.tied and g.ratio in searched else None
             rule = "tied" if fld else "tied-fixed" if g.tied else "fixed"
-        row = rows.setdefault(("+".join(kinds), rule, g.lr), {"group": "+".join(kinds), "rule": rule, "lr": g.lr,
-                                                              "ratio": g.lr / lr, "field": fld, "params": 0})
-        row["params"] += sum(counts[k] for k in kinds)
-    for row in rows.values():
-        row["share"] = row["params"] / sum(counts.values())
-    return list(rows.values())
+        rows.append({"group": "+".join(kinds), "rule": rule, "lr": g.lr, "ratio": g.lr / lr, "field": fld,
+                     "params": (n := sum(counts[k] for k in kinds)), "share": n / sum(counts.values())})
+    return rows
