@@ -92,6 +92,7 @@ GOOD_SETS = ["sizes=femto", "optimizers=adamw,muon", "lr_points=3", "lr_refine=f
              "run=train.steps=12", "run=train.tokens_per_param=10", "data.max_epochs=100", "eval.tasks="]
 
 
+@pytest.mark.slow  # two dry runs: 13 s on the loaded 2-core machine
 def test_a_study_toml_is_its_set_flags(tmp_path, capsys, monkeypatch):
     """The same study as a TOML file (TOML's types) and as --set strings: the same spec through the CLI, hence
     the same run ids for every run the LR search, the sweeps and the seeds start from."""
