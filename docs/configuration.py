@@ -74,8 +74,9 @@ six optimizer configs, or a plugin's), `train` (`TrainConfig`), `qat` (`QATConfi
   `model.d_model` divisible by `model.n_head` (with an even head width) and `model.n_head` by
   `model.n_kv_head`, QAT's and the robust method's bit widths and strengths (their classes' checks).
 - **Studies.** `optquant study --preset P --config study.toml --set key=value` takes the
-  [study settings](#study-settings-optquant-study---set) the same way; the study's runs are built from run
-  presets, the study's `run=` overrides and `per_optimizer` overrides, each run checked as above.
+  [study settings](#study-settings-optquant-study---set) the same way, TOML's values keeping their types
+  (`sizes = ["nano"]`, `[lrs]` `muon = [0.01, 0.02]`, `[run.train]` `steps = 50`); the study's runs are built
+  from run presets, the study's `run` settings and `per_optimizer` overrides, each run checked as above.
 - **Dry runs.** `optquant train --dry-run` and `optquant study --dry-run` plan without training; their
   `plan.*` keys (the [GPU assumptions](#dry-run-gpu-assumptions-plan)) go in the same `--set` list.
 
@@ -424,7 +425,8 @@ def study_sections() -> str:
     rows = field_rows(StudySpec, "", choices=choices, skip=("eval",), keys=keys)
     notes = {"`lrs.<optimizer>`": "one optimizer's explicit LR grid, e.g. `lrs.muon=0.01,0.02,0.04`",
              "`sweeps.<optimizer>.<run key>`": "values of one run key, e.g. `sweeps.muon.optim.momentum=0.9,0.95`",
-             "`run`": "each `--set run=key=value` appends one run override, e.g. `run=train.tokens_per_param=10`",
+             "`run`": "each `--set run=key=value` adds one run setting, e.g. `run=train.tokens_per_param=10` (in "
+                     "TOML a `[run]` table: `[run.train]` `tokens_per_param = 10`)",
              "`per_optimizer`": "not settable with `--set` or TOML: a preset's (or a Python caller's)"}
     rows = [(k, t, d, a, "; ".join(x for x in (m, notes.get(k, "")) if x)) for k, t, d, a, m in rows]
     checks = inspect.cleandoc(validate.__doc__ or "").split("\n\n")[1].replace("\n", " ")

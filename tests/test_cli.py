@@ -45,6 +45,89 @@ def test_typed_config_errors_are_one_line(tmp_path, capsys, toml, sets, message)
     assert not any(tmp_path.glob("*/config.json"))
 
 
+@pytest.mark.parametrize("toml, message", [
+    ('name = ["x"]\n', "name=['x']: Expected `str`, got `array`"),
+    ('lr_points = "4"\n', "lr_points='4': Expected `int`, got `str`"),
+    ('sizes = "femto"\n', "sizes='femto': Expected `array`, got `str`"),
+    ('[lrs]\nadamw = ["0.01"]\n', "lrs.adamw=['0.01']: Expected `float`, got `str`"),
+    ('[run.optim]\nname = ["muon"]\n', "optim.name=['muon']: Expected `str`, got `array`"),
+    ('[run.qat]\nw_bits = "4"\n', "qat.w_bits='4': Expected `int`, got `str`"),
+    ('[run]\n"train.steps" = "4"\n', "train.steps='4': Expected `int`, got `str`"),
+    ('[sweeps.muon]\n"optim.momentum" = ["0.9"]\n', "sweeps.muon.optim.momentum: optim.momentum='0.9': Expected"),
+])
+def test_study_toml_values_keep_their_types(tmp_path, capsys, toml, message):
+    """A study TOML goes to the spec as TOML typed it (it was flattened into `k=v` strings and parsed again, so
+    `name = ["x"]` named the study x and `w_bits = "4"` trained 4 bits): a wrong type is one line, exit 2."""
+    (tmp_path / "study.toml").write_text(toml)
+    for dry in ([], ["--dry-run"]):
+        assert main(["study", "--preset", "smoke", "--config", str(tmp_path / "study.toml"), "--quiet",
+                     "--out", str(tmp_path / "out"), *dry]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("optquant: error:") and message in err and "\n" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+GOOD_STUDY = """preset = "smoke"
+sizes = ["femto"]
+optimizers = ["adamw", "muon"]
+lr_points = 3
+lr_refine = false
+seeds = [0, 1]
+[lrs]
+adamw = [0.001, 0.003, 0.01]
+[sweeps.muon]
+"optim.momentum" = [0.9, 0.95]
+[run]
+"model.vocab_size" = 320
+[run.train]
+steps = 12
+tokens_per_param = 10
+[data]
+max_epochs = 100
+[eval]
+tasks = []
+"""
+GOOD_SETS = ["sizes=femto", "optimizers=adamw,muon", "lr_points=3", "lr_refine=false", "seeds=0,1",
+             "lrs.adamw=0.001,0.003,0.01", "sweeps.muon.optim.momentum=0.9,0.95", "run=model.vocab_size=320",
+             "run=train.steps=12", "run=train.tokens_per_param=10", "data.max_epochs=100", "eval.tasks="]
+
+
+@pytest.mark.slow  # two dry runs: 13 s on the loaded 2-core machine
+def test_a_study_toml_is_its_set_flags(tmp_path, capsys, monkeypatch):
+    """The same study as a TOML file (TOML's types) and as --set strings: the same spec through the CLI, hence
+    the same run ids for every run the LR search, the sweeps and the seeds start from."""
+    import optquant.study.dryrun
+    from optquant.config import run_id
+    from optquant.errors import OptquantError
+    from optquant.study_spec import lr_grid, run_config
+
+    specs = []
+
+    def stop(spec):  # the CLI's spec, checked, just before anything would train
+        specs.append(spec)
+        raise OptquantError("stopped")
+
+    monkeypatch.setattr(optquant.study.dryrun, "check_study_epochs", stop)
+    (tmp_path / "study.toml").write_text(GOOD_STUDY)
+    assert main(["study", "--config", str(tmp_path / "study.toml"), "--out", str(tmp_path)]) == 2
+    flags = [a for s in GOOD_SETS for a in ("--set", s)]
+    assert main(["study", "--preset", "smoke", "--out", str(tmp_path), *flags]) == 2
+    toml, sets = specs
+    assert toml == sets and toml.run["train.tokens_per_param"] == 10.0 and toml.lrs["adamw"] == (0.001, 0.003, 0.01)
+
+    def ids(spec):
+        return sorted(run_id(run_config(spec, size, opt, lr, seed, extra={p: v}))
+                      for size in spec.sizes for opt in spec.optimizers for lr in lr_grid(spec, opt)
+                      for seed in spec.seeds for p, vs in spec.sweeps.get(opt, {"seed": (seed,)}).items() for v in vs)
+
+    assert ids(toml) == ids(sets) and len(ids(toml)) == 3 * 2 + 3 * 2 * 2  # adamw: lr × seed; muon: × momentum
+    dry = []
+    for args in (["--config", str(tmp_path / "study.toml")], ["--preset", "smoke", *flags]):
+        assert main(["study", "--dry-run", *args]) == 0
+        dry.append(capsys.readouterr().out)
+    assert dry[0] == dry[1] and "femto adamw" in dry[0]
+
+
 def test_help_mentions_examples(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])

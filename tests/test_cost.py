@@ -137,7 +137,7 @@ def test_warning_names_a_fix_that_fits():
 
 def test_plan_overrides_and_bad_gpu():
     plan, rest = split_gpu_overrides(["plan.gpu=a100", "plan.mfu=0.3", "optim.lr=1e-3"])
-    assert plan == GPUConfig(gpu="a100", mfu=0.3) and rest == ["optim.lr=1e-3"]
+    assert plan == GPUConfig(gpu="a100", mfu=0.3) and rest == [("optim.lr", "1e-3")]
     with pytest.raises(OptquantError, match="plan.gpu=tpu"):
         split_gpu_overrides(["plan.gpu=tpu"])
 

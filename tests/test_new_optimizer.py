@@ -2,7 +2,8 @@
 heavy-ball momentum, written to a file here, registered with one `OPTIMIZERS` entry and nothing else,
 passes the contract every built-in optimizer passes (test_optim.check_contract) and works everywhere a
 built-in one does: `--set optim.name=sgd` and its own ranges, the record round trip, the planner's state
-bytes (exactly those of a real step, as test_cost checks the built-ins), the dry run and a training run."""
+bytes (exactly those of a real step, as test_cost checks the built-ins), its declared param groups (those it
+builds, as test_tuning checks the built-ins), the dry run and a training run."""
 
 import importlib.util
 import sys
@@ -11,12 +12,14 @@ import textwrap
 import pytest
 from test_cost import measured_state  # the state bytes of a really built optimizer after one step
 from test_optim import check_contract
+from test_tuning import built_step_sizes  # the param groups of the really built optimizers
 
 import optquant.optim
 from optquant.cli import main
 from optquant.config import apply_overrides, from_dict, run_id, run_preset, to_dict
 from optquant.cost import run_cost
 from optquant.errors import OptquantError
+from optquant.study.tuning import step_sizes
 from optquant.train import train
 
 SGD_FILE = '''
@@ -28,7 +31,7 @@ SGD_FILE = '''
 
     import torch
 
-    from optquant.optim.groups import ParamGroups
+    from optquant.optim.groups import LRGroup, ParamGroups
     from optquant.ranges import NonNegative, Positive, Unit
 
 
@@ -42,6 +45,9 @@ SGD_FILE = '''
         def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
             """torch.optim.SGD's `momentum_buffer`, like the parameter, when momentum > 0."""
             return math.prod(shape) * element_size if self.momentum > 0 else 0
+
+        def lr_groups(self) -> list[LRGroup]:
+            return [LRGroup((kind,), self.lr) for kind in ("embeddings", "vectors", "matrices")]
 
         def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
             params = [{"params": g} for g in (groups.embeddings, groups.vectors, groups.matrices) if g]
@@ -83,6 +89,7 @@ def test_new_optimizer_state_in_the_planner_is_a_real_steps(sgd, momentum):
     cfg = apply_overrides(run_preset("femto"), ["optim.name=sgd", "model.vocab_size=512",
                                                 f"optim.momentum={momentum}"])
     assert run_cost(cfg).state == measured_state(cfg)
+    assert step_sizes(cfg, set()) == built_step_sizes(cfg, set())  # its declared param groups are the built ones
 
 
 def test_new_optimizer_dry_runs_and_trains(sgd, nano_cfg, tmp_path, capsys):

@@ -1,14 +1,16 @@
 """The study's step sizes (study/tuning.py): group LRs tied to lr, the coordinate search on synthetic loss
-surfaces, how each built step size is classified, and the default sizes' depth and embedding share."""
+surfaces, how each declared step size is classified (and that the declaration is what the optimizers build),
+and the default sizes' depth and embedding share."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from optquant.config import apply_overrides, run_preset
 from optquant.model import LM, count_params
-from optquant.optim import build_optimizers
+from optquant.optim import OPTIMIZERS, build_optimizers
 from optquant.study.bracket import bracket
 from optquant.study.tuning import initial_ratios, losses, ratio_settings, step_sizes, tune
 from optquant.study_spec import StudySpec, cpu, run_config
@@ -30,6 +32,54 @@ def test_group_lrs_are_tied_to_lr_by_their_ratio_or_stay_the_authors_fixed_value
                                    "optim.vector_lr_ratio=0.25"])
     assert _lrs(scion) == [[0.2, 0.025, 0.1]]  # embedding, vectors, matrices
     assert _lrs(apply_overrides(base, ["optim.name=scion", "optim.lr=0.1"])) == [[1.0, 3e-3, 0.1]]
+
+
+def built_step_sizes(cfg, searched: set[str]) -> list[dict]:
+    """The reference: `step_sizes` as it was before the optimizers declared their groups, found by building the
+    model and the optimizers at lr and at 2·lr."""
+    from dataclasses import replace
+
+    from optquant.optim import split_params
+
+    model = build_model(cfg)
+    kinds = {id(p): kind for kind, ps in vars(split_params(model)).items() for p in ps}
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    twice = [g for o in build_optimizers(model, replace(cfg.optim, lr=2 * cfg.optim.lr)) for g in o.param_groups]
+    rows, lr = {}, cfg.optim.lr
+    for g, g2 in zip([g for o in build_optimizers(model, cfg.optim) for g in o.param_groups], twice, strict=True):
+        base, ratio = g["base_lr"], g["base_lr"] / lr
+        group = "+".join(sorted({kinds[id(p)] for p in g["params"]}))
+        if math.isclose(base, lr, rel_tol=1e-9):
+            rule, fld = "searched", None
+        elif math.isclose(g2["base_lr"], 2 * base, rel_tol=1e-9):
+            fld = next((f for f in sorted(searched) if math.isclose(getattr(cfg.optim, f, math.nan), ratio,
+                                                                   rel_tol=1e-9)), None)
+            rule = "tied" if fld else "tied-fixed"
+        else:
+            rule, fld = "fixed", None
+        row = rows.setdefault((group, rule, base), {"group": group, "rule": rule, "lr": base, "ratio": ratio,
+                                                     "field": fld, "params": 0})
+        row["params"] += sum(p.numel() for p in g["params"])
+    for row in rows.values():
+        row["share"] = row["params"] / total
+    return list(rows.values())
+
+
+LION = str(Path(__file__).parents[1] / "examples" / "lion.py") + ":make_optimizer"
+
+
+@pytest.mark.parametrize("name", [*OPTIMIZERS, LION])
+def test_declared_groups_are_the_built_ones(name):
+    """Each optimizer's `lr_groups` against its built optimizers at lr and 2·lr (the trial build it replaced): at
+    its defaults, with every tie ratio set (searched, and not), untied embeddings and QAT's extra vectors; a plugin
+    by the stated default (one param group per group at lr, as examples/lion.py packs them)."""
+    ratios = [r for _, r in getattr(OPTIMIZERS.get(name), "GROUP_LRS", {}).values()]
+    base = apply_overrides(run_preset("zepto"), [f"optim.name={name}", "optim.lr=0.02"])
+    variants = [base, apply_overrides(base, ["model.tie_embeddings=false", "qat.method=quest"]),
+                apply_overrides(base, [f"optim.{r}={0.5 + i}" for i, r in enumerate(ratios)])]
+    for cfg in variants:
+        for searched in ({*ratios}, set(), {*ratios[:1]}):
+            assert step_sizes(cfg, searched) == built_step_sizes(cfg, searched), (cfg.optim, searched)
 
 
 def test_step_sizes_name_how_every_group_moves_with_lr():
@@ -69,8 +119,9 @@ def test_the_search_brackets_every_step_size_and_later_sizes_start_from_the_smal
         b = bracket(losses(t.lr_runs))
         assert b.status == "bracketed"
         assert abs(math.log(b.best / {"zepto": 0.05, "atto": 0.15}[size])) <= math.log(3) / 2 + 1e-9
+        assert t.lr == b and t.ratio_ends == {f: bracket(losses(r)) for f, r in t.ratio_runs.items()}  # carried
         if opt == "muon":
-            assert bracket(losses(t.ratio_runs["adam_lr_ratio"])).status == "bracketed"
+            assert t.ratio_ends["adam_lr_ratio"].status == "bracketed"
             assert abs(math.log(t.ratios["adam_lr_ratio"] / 0.8)) <= math.log(3) / 2 + 1e-9
         else:
             assert t.ratios == {} and t.ratio_runs == {}

@@ -249,15 +249,12 @@ def parse_value(value: str, tp: Any, path: str) -> Any:
     if typing.get_origin(tp) in (tuple, list):
         text = [v.strip() for v in text.strip("()[]").split(",") if v.strip()]
     try:
-        out = msgspec.convert(text, tp, strict=False)
+        return msgspec.convert(text, tp, strict=False)
     except msgspec.ValidationError as e:
         if isinstance(text, str) and text.lower() in _WORDS:
             with contextlib.suppress(msgspec.ValidationError):
                 return msgspec.convert(_WORDS[text.lower()], tp)
         raise OptquantError(f"--set {path}={value}: {e}{_choices(tp)}") from None
-    if any(isinstance(v, float) and not math.isfinite(v) for v in (out if isinstance(out, tuple | list) else [out])):
-        raise OptquantError(f"--set {path}={value}: must be a finite number")
-    return out
 
 
 def field_type(cfg: Any, keys: list[str], path: str) -> tuple[list[str], Any]:
@@ -273,17 +270,29 @@ def field_type(cfg: Any, keys: list[str], path: str) -> tuple[list[str], Any]:
     return [key, *names], tp
 
 
-def set_field(cfg: Any, keys: list[str], value: str, path: str) -> Any:
-    """A copy of dataclass `cfg` (a study spec, a GPU plan) with the field at `keys` set to `value`, parsed."""
+def typed(value: Any, tp: Any, path: str) -> Any:
+    """`value` as type `tp`, a finite number where it is one: a --set string (SetText) parsed by it, a TOML or JSON
+    value checked as it is typed (no string is read as a number; an int is a float where a float belongs)."""
+    try:
+        out = parse_value(value, tp, path) if isinstance(value, SetText) else msgspec.convert(value, tp)
+    except msgspec.ValidationError as e:
+        raise OptquantError(f"{path}={value!r}: {e}{_choices(tp)}") from None
+    if any(isinstance(v, float) and not math.isfinite(v) for v in (out if isinstance(out, tuple | list) else [out])):
+        raise OptquantError(f"{'--set ' * isinstance(value, SetText)}{path}={value}: must be a finite number")
+    return out
+
+
+def set_field(cfg: Any, keys: list[str], value: Any, path: str) -> Any:
+    """A copy of dataclass `cfg` (a study spec, a GPU plan) with the field at `keys` set to `value` (`typed`)."""
     names, tp = field_type(cfg, keys, path)
-    return _set(cfg, names, parse_value(value, tp, path))
+    return _set(cfg, names, typed(value, tp, path))
 
 
 def _set(cfg: Any, keys: list[str], value: Any) -> Any:
     return replace(cfg, **{keys[0]: value if len(keys) == 1 else _set(getattr(cfg, keys[0]), keys[1:], value)})
 
 
-class _Text(str):
+class SetText(str):
     """A --set string, which `override` parses by the type of the field it sets (TOML's values keep theirs)."""
 
 
@@ -314,35 +323,36 @@ def override(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
             (*sections, name), tp = field_type(cfg, key.split("."), key)  # an unknown field: one error naming it
             if is_dataclass(tp) or tp is Any:  # a section (optim: any optimizer's)
                 raise OptquantError(f"{key}={value!r}: a section; set its fields ({key}.FIELD=...)")
-            value = parse_value(value, tp, key) if isinstance(value, _Text) else value
+            value = typed(value, tp, key) if isinstance(value, SetText) else value
             functools.reduce(dict.__getitem__, sections, data)[name] = value
     return _decode(data)
 
 
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """`a.b=value` strings (--set, a study's settings) as {dotted key: the string, which `override` parses};
-    a key given twice keeps its last value."""
-    values: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise OptquantError(f"--set {item}: expected key=value, e.g. optim.lr=3e-3")
-        key, value = item.split("=", 1)
-        values.pop(key.strip(), None)  # the last one wins, in its place
-        values[key.strip()] = _Text(value.strip())
-    return values
+def settings(items: list, example: str = "optim.lr=3e-3") -> list[tuple[str, Any]]:
+    """(dotted key, value) pairs from `a.b=value` strings (--set: the value a string that its field's type parses)
+    and pairs given as they are (a TOML file's, typed)."""
+    out = []
+    for item in items:
+        if isinstance(item, str) and "=" in item:
+            key, value = item.split("=", 1)
+            item = (key.strip(), SetText(value.strip()))
+        elif not isinstance(item, tuple):
+            raise OptquantError(f"--set {item}: expected key=value, e.g. {example}")
+        out.append(item)
+    return out
 
 
-def typed_overrides(overrides: list[str], optim: str = "adamw") -> dict[str, Any]:
-    """`a.b=value` strings as {dotted key: value parsed by its field's type} in a run of optimizer `optim`: a
-    study's settings, parsed once when its spec is built; `override` takes them as they are."""
+def typed_overrides(overrides: list, optim: str = "adamw") -> dict[str, Any]:
+    """`settings` as {dotted key: value typed by its field} in a run of optimizer `optim`: a study's settings,
+    typed once when its spec is built; `override` takes them as they are."""
     shape = RunConfig(optim=optimizer_config(optim), qat=QATConfig())
-    return {key: str(value) if key in ("optim.name", "qat") else parse_value(value, field_type(
-        shape, key.split("."), key)[1], key) for key, value in parse_overrides(overrides).items()}
+    return {key: typed(value, str if key in ("optim.name", "qat") else field_type(shape, key.split("."), key)[1],
+                       key) for key, value in settings(overrides)}
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     """Apply `a.b=value` overrides (optimizer and QAT switches first)."""
-    return override(cfg, parse_overrides(overrides))
+    return override(cfg, dict(settings(overrides)))  # a key given twice: its last value
 
 
 def _flatten_toml(table: dict, prefix: str = "") -> dict[str, Any]:
@@ -364,17 +374,8 @@ def read_toml(path: Path) -> tuple[str | None, dict[str, Any]]:
     return preset, _flatten_toml(table)
 
 
-def load_toml(path: Path) -> tuple[str | None, list[str]]:
-    """(preset, `k=v` overrides) from a TOML study file, whose settings the study spec parses as strings."""
-    preset, values = read_toml(path)
-    return preset, [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in values.items()]
-
-
-def resolve(preset: str | None, toml_path: Path | None, overrides: list[str]) -> RunConfig:
-    """preset → TOML file → --set overrides, each later one winning (the switches first, wherever they are).
+def resolve(preset: str | None, toml_path: Path | None, overrides: list) -> RunConfig:
+    """preset → TOML file → --set overrides (`settings`), each later one winning (the switches first, wherever).
     TOML values keep TOML's types: a list or a string where a number belongs is an error naming the key."""
     toml_preset, values = read_toml(toml_path) if toml_path else (None, {})
-    for key, value in parse_overrides(list(overrides)).items():
-        values.pop(key, None)  # the last one wins, in its place
-        values[key] = value
-    return override(run_preset(preset or toml_preset or "tiny"), values)
+    return override(run_preset(preset or toml_preset or "tiny"), dict(settings([*values.items(), *overrides])))

@@ -67,19 +67,16 @@ class GPUConfig:
 DEFAULT_GPU = GPUConfig()
 
 
-def split_gpu_overrides(overrides: list[str]) -> tuple[GPUConfig, list[str]]:
-    """(GPUConfig from the `plan.*` overrides, the other overrides)."""
-    from optquant.config import set_field
+def split_gpu_overrides(overrides: list) -> tuple[GPUConfig, list[tuple[str, Any]]]:
+    """(GPUConfig from the `plan.*` settings, the other settings), of --set strings or TOML pairs (config.settings)."""
+    from optquant.config import set_field, settings
 
     plan, rest = GPUConfig(), []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if key.strip().startswith("plan."):
-            if not sep:
-                raise OptquantError(f"--set {item}: expected key=value, e.g. plan.gpu=a100")
-            plan = set_field(plan, key.strip().split(".")[1:], value.strip(), key.strip())
+    for key, value in settings(overrides, "plan.gpu=a100"):
+        if key.startswith("plan."):
+            plan = set_field(plan, key.split(".")[1:], value, key)
         else:
-            rest.append(item)
+            rest.append((key, value))
     plan.accelerator()
     return plan, rest
 

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from optquant.config import RunConfig, override, parse_value, run_preset, set_field, typed_overrides
+from optquant.config import RunConfig, SetText, override, run_preset, set_field, settings, typed, typed_overrides
 from optquant.errors import OptquantError
 from optquant.harness import HarnessConfig, check_harness
 from optquant.optim import OPTIMIZERS, is_optimizer, optimizer_config
@@ -187,25 +187,22 @@ def study_preset(name: str) -> StudySpec:
     return STUDY_PRESETS[name]()
 
 
-def apply_study_overrides(spec: StudySpec, overrides: list[str]) -> StudySpec:
-    """`sizes=nano,micro`, `optimizers=adamw,muon`, `lrs.muon=0.01,0.02`, `run=train.steps=50`
-    (appends a run override; so does any `data.*`, e.g. `data.source=DIR`), `sweeps.muon.optim.momentum=0.9,0.95`,
-    `eval.tasks=piqa,arc_easy`."""
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise OptquantError(f"--set {item}: expected key=value, e.g. sizes=nano,micro")
-        if key == "run" or key.startswith("data."):  # `data.source=DIR` is `run=data.source=DIR`
-            spec = replace(spec, run={**spec.run, **typed_overrides([value if key == "run" else item],
-                                                                    (*spec.optimizers, "adamw")[0])})
+def apply_study_overrides(spec: StudySpec, overrides: list) -> StudySpec:
+    """`spec` with study settings (config.settings: --set strings, or a TOML file's typed pairs): `sizes=nano,micro`,
+    `optimizers=adamw,muon`, `lrs.muon=0.01,0.02`, `run=train.steps=50` (adds a run setting; so does
+    `run.train.steps=50`, a TOML `[run]` table, and any `data.*`, e.g. `data.source=DIR`),
+    `sweeps.muon.optim.momentum=0.9,0.95`, `eval.tasks=piqa,arc_easy`."""
+    for key, value in settings(overrides, "sizes=nano,micro"):
+        if key == "run" or key.startswith(("run.", "data.")):  # `data.source=DIR` is `run=data.source=DIR`
+            given = [(key.removeprefix("run."), value)] if key != "run" else settings(  # TOML: run = ["k=v", ...]
+                value if isinstance(value, list) else [value])
+            spec = replace(spec, run={**spec.run, **typed_overrides(given, (*spec.optimizers, "adamw")[0])})
         elif key.startswith("lrs."):
-            opt = _known_optimizer(key[4:], item)
-            spec = replace(spec, lrs={**spec.lrs, opt: parse_value(value, tuple[float, ...], key)})
+            spec = replace(spec, lrs={**spec.lrs, _known_optimizer(key[4:], key): typed(value, tuple[float, ...], key)})
         elif key.startswith("sweeps."):
             opt, _, param = key[7:].partition(".")
-            _known_optimizer(opt, item)
-            values = _sweep_values(opt, param, [v.strip() for v in value.split(",") if v.strip()])
-            spec = replace(spec, sweeps={**spec.sweeps, opt: {**spec.sweeps.get(opt, {}), param: values}})
+            swept = _sweep_values(_known_optimizer(opt, key), param, value)
+            spec = replace(spec, sweeps={**spec.sweeps, opt: {**spec.sweeps.get(opt, {}), param: swept}})
         else:
             spec = set_field(spec, key.split("."), value, key)
     spec = replace(spec, eval=check_harness(spec.eval))
@@ -227,10 +224,14 @@ def robust_settings(entry: str) -> dict[str, Any]:
     return typed_overrides(list(entry_overrides(entry)))
 
 
-def _sweep_values(opt: str, param: str, values: list) -> tuple[Any, ...]:
-    """A sweep's values as written (`0.9`, `fp32`), each parsed by its field's type in a run of `opt`."""
+def _sweep_values(opt: str, param: str, values: Any) -> tuple[Any, ...]:
+    """A sweep's values (--set's text split at commas, or a TOML list), each typed by its field in a run of `opt`."""
+    if isinstance(values, SetText):
+        values = [SetText(v) for v in values.split(",") if v.strip()]
+    if not isinstance(values, list | tuple):
+        raise OptquantError(f"sweeps.{opt}.{param}={values!r}: expected a list of values")
     try:
-        return tuple(typed_overrides([f"{param}={v}"], opt)[param] for v in values)
+        return tuple(typed_overrides([(param, v)], opt)[param] for v in values)
     except OptquantError as e:
         raise OptquantError(f"sweeps.{opt}.{param}: {e}") from None
 
@@ -247,7 +248,7 @@ def spec_from_dict(d: dict) -> StudySpec:
         opt = (d.get("optimizers") or ["adamw"])[0]
         d = {**d, "run": typed_overrides(d["run"], opt),
              "per_optimizer": {o: typed_overrides(v, o) for o, v in (d.get("per_optimizer") or {}).items()},
-             "sweeps": {o: {p: _sweep_values(o, p, v) for p, v in ps.items()}
+             "sweeps": {o: {p: _sweep_values(o, p, [SetText(x) for x in v]) for p, v in ps.items()}
                         for o, ps in (d.get("sweeps") or {}).items()}}
     try:
         return msgspec.convert(d, StudySpec)

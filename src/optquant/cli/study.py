@@ -53,21 +53,22 @@ def _study(args: argparse.Namespace) -> int:
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from optquant.config import load_toml
+    from optquant.config import read_toml
     from optquant.study.plan import run_study
     from optquant.study.validate import validate_spec
     from optquant.study_spec import apply_study_overrides, study_preset
 
-    toml_preset, toml_overrides = load_toml(args.config) if args.config else (None, [])
+    toml_preset, toml_values = read_toml(args.config) if args.config else (None, {})
+    given = [*toml_values.items(), *(args.set or [])]  # TOML's values as it typed them, then --set's strings
     spec = study_preset(args.preset or toml_preset or "cpu")
     if args.dry_run:
         from optquant.cost import split_gpu_overrides
         from optquant.study.dryrun import study_lines
 
-        plan, overrides = split_gpu_overrides(toml_overrides + (args.set or []))
+        plan, overrides = split_gpu_overrides(given)
         print("\n".join(study_lines(validate_spec(apply_study_overrides(spec, overrides)), plan)))
         return 0
-    spec = validate_spec(apply_study_overrides(spec, toml_overrides + (args.set or [])))
+    spec = validate_spec(apply_study_overrides(spec, given))
     from optquant.study.dryrun import check_study_epochs
 
     check_study_epochs(spec)  # before anything trains: no size may repeat its corpus past data.max_epochs

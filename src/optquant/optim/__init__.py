@@ -7,6 +7,8 @@ dataclass (`OptimConfig`), has
 - `build(groups)`: torch optimizers over the three parameter groups (optim/groups.py);
 - `state_bytes(shape, element_size, group)`: the bytes of state it allocates for one parameter of that group
   after a step, which the planner sums (optquant.cost; tests/test_cost.py compares it with a real step);
+- `lr_groups()`: its param groups as `build` packs them (optim/groups.py's LRGroup), which a study's tuning
+  table reads without building anything (tests/test_tuning.py compares them with a real build);
 - each field's range in its annotation (`momentum: Unit`, optquant/ranges.py), checked on every config;
 - optional ClassVars: `GROUP_LRS` (group step sizes a study can tie to lr, study/tuning.py) and
   `LEGACY_NAMES` (a renamed field -> its old name, under which run ids hash it and old config.json files and

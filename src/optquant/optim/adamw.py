@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from optquant.optim.groups import ParamGroups
+from optquant.optim.groups import LRGroup, ParamGroups
 from optquant.ranges import NonNegative, Positive, Unit
 
 
@@ -27,6 +27,9 @@ class AdamWConfig:
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> int:
         """torch AdamW(fused=True): exp_avg, exp_avg_sq and a 0-d fp32 `step` tensor per parameter."""
         return 2 * math.prod(shape) * element_size + 4
+
+    def lr_groups(self) -> list[LRGroup]:
+        return [LRGroup((kind,), self.lr) for kind in ("embeddings", "vectors", "matrices")]
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         params = [g for g in (groups.embeddings, groups.vectors, groups.matrices) if g]

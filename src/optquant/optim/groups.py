@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +29,16 @@ class ParamGroups:
 
     def all(self) -> list[Tensor]:
         return self.embeddings + self.vectors + self.matrices
+
+
+class LRGroup(NamedTuple):
+    """One param group as an optimizer's `build` packs it (its `lr_groups`, in build's order): the groups above
+    it holds, its base lr, whether that moves with lr (lr itself, or a multiple tied by the `ratio` field)."""
+
+    kinds: tuple[str, ...]  # of "embeddings", "vectors", "matrices"
+    lr: float
+    tied: bool = True
+    ratio: str | None = None
 
 
 def split_params(model: nn.Module) -> ParamGroups:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from optquant.optim.adamw import AdamWConfig
-from optquant.optim.groups import ParamGroups, closure_loss, dense_params
+from optquant.optim.groups import LRGroup, ParamGroups, closure_loss, dense_params
 from optquant.optim.newton_schulz import DTYPES, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
 from optquant.ranges import Count, NonNegative, Positive, Unit
 
@@ -104,6 +104,12 @@ class MuonConfig:
             return math.prod(shape) * element_size
         return AdamWConfig().state_bytes(shape, element_size, group)
 
+    def lr_groups(self) -> list[LRGroup]:
+        tied = self.adam_lr_ratio > 0
+        adam_lr = self.adam_lr_ratio * self.lr if tied else self.adam_lr
+        return [LRGroup(("matrices",), self.lr), *(LRGroup((kind,), adam_lr, tied, "adam_lr_ratio")
+                                                   for kind in ("embeddings", "vectors"))]
+
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         optimizers: list[torch.optim.Optimizer] = []
         if groups.matrices:
@@ -120,8 +126,7 @@ class MuonConfig:
                 )
             )
         if groups.embeddings or groups.vectors:  # the rest: the AdamW optimizer's own build, without the matrices
-            adam_lr = self.adam_lr_ratio * self.lr if self.adam_lr_ratio > 0 else self.adam_lr
-            adamw = AdamWConfig(lr=adam_lr, beta1=self.adam_beta1, beta2=self.adam_beta2, eps=self.adam_eps,
-                                weight_decay=self.weight_decay)
+            adamw = AdamWConfig(lr=self.lr_groups()[-1].lr, beta1=self.adam_beta1, beta2=self.adam_beta2,
+                                eps=self.adam_eps, weight_decay=self.weight_decay)
             optimizers += adamw.build(replace(groups, matrices=[]))
         return optimizers

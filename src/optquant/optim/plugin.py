@@ -16,7 +16,9 @@ puts the parameters into param groups with whatever lr it likes (e.g. lr for the
 lr elsewhere); every group's lr becomes its `base_lr`, which the training schedule multiplies, as for
 the built-in optimizers. Every trainable parameter must be in exactly one group; the optimizer's state
 must hold only tensors, numbers, strings, bools, None, lists and dicts (checkpoints store it as JSON +
-safetensors). Without `default_lr` a run needs `optim.lr=...` and a study `lrs.<name>=...`.
+safetensors). Without `default_lr` a run needs `optim.lr=...` and a study `lrs.<name>=...`. A study's tuning
+table, which builds no optimizer, shows a plugin's three groups each in its own param group at lr (searched), as
+examples/lion.py packs them: the stated default (`PluginConfig.lr_groups`), whatever the factory does.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 
 from optquant.errors import OptquantError
-from optquant.optim.groups import ParamGroups
+from optquant.optim.groups import LRGroup, ParamGroups
 from optquant.ranges import Positive
 
 ENTRY_POINT_GROUP = "optquant.optimizers"
@@ -139,6 +141,10 @@ class PluginConfig:
     def state_bytes(self, shape: tuple[int, ...], element_size: int, group: str) -> None:
         """Unknown: a plugin declares no state layout (a dry run says so; a real run measures its state)."""
         return None
+
+    def lr_groups(self) -> list[LRGroup]:
+        """Not the factory's (nothing is built to learn them): the stated default, each group at lr (module doc)."""
+        return [LRGroup((kind,), self.lr) for kind in ("embeddings", "vectors", "matrices")]
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         if math.isnan(self.lr):

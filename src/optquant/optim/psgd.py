@@ -34,7 +34,7 @@ import torch
 import torch.backends.opt_einsum as torch_opt_einsum
 from pytorch_optimizer import Kron as _LibKron
 
-from optquant.optim.groups import ParamGroups, closure_loss
+from optquant.optim.groups import LRGroup, ParamGroups, closure_loss
 from optquant.ranges import Count, NonNegative, Positive, Probability, Seed, Unit
 
 _DTYPE_KEYS = ("mu_dtype", "precondition_dtype")
@@ -158,6 +158,9 @@ class PSGDConfig:
             tri = not (n == 1 or n > self.max_precondition_dim or len(shape) < self.min_ndim_triangular or d)
             total += (n * n if tri else n) * 4
         return total
+
+    def lr_groups(self) -> list[LRGroup]:
+        return [LRGroup(("embeddings", "vectors"), self.lr), LRGroup(("matrices",), self.lr)]
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         params = [

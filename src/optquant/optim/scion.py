@@ -30,7 +30,7 @@ import torch
 from pytorch_optimizer import SCION
 from pytorch_optimizer.optimizer.scion import LMONorm, Norm, Spectral
 
-from optquant.optim.groups import ParamGroups
+from optquant.optim.groups import LRGroup, ParamGroups
 from optquant.optim.newton_schulz import DTYPES, newton_schulz, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
 from optquant.ranges import Count, NonNegative, Positive, Probability
 
@@ -122,9 +122,14 @@ class ScionConfig:
         """pytorch_optimizer.SCION's one momentum buffer `d` per parameter, like the parameter."""
         return math.prod(shape) * element_size
 
+    def lr_groups(self) -> list[LRGroup]:
+        e, v = self.embed_lr_ratio, self.vector_lr_ratio  # > 0: tied to lr
+        return [LRGroup(("embeddings",), e * self.lr if e > 0 else self.embed_lr, e > 0, "embed_lr_ratio"),
+                LRGroup(("vectors",), v * self.lr if v > 0 else self.vector_lr, v > 0, "vector_lr_ratio"),
+                LRGroup(("matrices",), self.lr)]
+
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
-        embed_lr = self.embed_lr_ratio * self.lr if self.embed_lr_ratio > 0 else self.embed_lr
-        vector_lr = self.vector_lr_ratio * self.lr if self.vector_lr_ratio > 0 else self.vector_lr
+        embed_lr, vector_lr, _ = (g.lr for g in self.lr_groups())
         spec = [
             (groups.embeddings, embed_lr, int(LMONorm.SIGN), {}),
             (groups.vectors, vector_lr, _VECTOR_NORM[self.vector_lmo], {}),

@@ -48,7 +48,7 @@ from msgspec import Meta
 from torch import Tensor
 
 from optquant.errors import OptquantError
-from optquant.optim.groups import ParamGroups, closure_loss, dense_params
+from optquant.optim.groups import LRGroup, ParamGroups, closure_loss, dense_params
 from optquant.ranges import Count, NonNegative, Positive, Unit
 
 log = logging.getLogger(__name__)
@@ -298,6 +298,9 @@ class ShampooConfig:
             total += sum(2 * n * n * element_size for blk in blocks for n in blk)
         copies = (self.beta1 > 0) + (self.grafting == "adam") + (self.momentum > 0)
         return total + copies * math.prod(shape) * element_size
+
+    def lr_groups(self) -> list[LRGroup]:
+        return [LRGroup(("embeddings", "vectors"), self.lr), LRGroup(("matrices",), self.lr)]
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         params = [{"params": g} for g in (groups.embeddings + groups.vectors, groups.matrices) if g]

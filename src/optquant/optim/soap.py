@@ -18,7 +18,7 @@ import torch
 from pytorch_optimizer import SOAP
 from pytorch_optimizer.optimizer.utils.shape import merge_small_dims
 
-from optquant.optim.groups import ParamGroups
+from optquant.optim.groups import LRGroup, ParamGroups
 from optquant.ranges import Count, NonNegative, Positive, Unit
 
 
@@ -48,6 +48,9 @@ class SOAPConfig:
         else:
             dims = list(merge_small_dims(shape, self.max_precondition_dim)) if self.merge_dims else list(shape)
         return (2 * math.prod(shape) + sum(2 * n * n for n in dims if n <= self.max_precondition_dim)) * element_size
+
+    def lr_groups(self) -> list[LRGroup]:
+        return [LRGroup(("embeddings", "vectors"), self.lr), LRGroup(("matrices",), self.lr)]
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
         params = [{"params": g} for g in (groups.embeddings + groups.vectors, groups.matrices) if g]

@@ -29,7 +29,6 @@ from optquant.files import atomic_write_json, atomic_write_text
 from optquant.harness import HarnessConfig, task_manager
 from optquant.ptq_stage import AnalysisConfig, scheme_config
 from optquant.runs import RunDir, StudyDir, read_metrics, run_dir
-from optquant.study.bracket import bracket
 from optquant.study.executor import WorkerPool, execute, threads_per_worker
 from optquant.study.jobs import Job, OutliersJob, PTQJob, Result, TrainJob
 from optquant.study.tuning import LRSearch, group_fields, loss_of, losses, ratio_settings, step_sizes, tune
@@ -129,7 +128,7 @@ def fp_stage(study: Study, state: State) -> None:
         best_losses = [loss_of(x) for x in per_lr[b.best]] if b.best is not None else [math.inf]
         out[key] = LRSearch(per_lr, b.best, b.status, b.reason, sum(best_losses) / len(best_losses), swept[key[0]],
                             t.ratios, {f: losses(r) for f, r in t.ratio_runs.items()},
-                            {f: bracket(losses(r)).status for f, r in t.ratio_runs.items()},
+                            {f: e.status for f, e in t.ratio_ends.items()},
                             step_sizes(config(key, b.best if b.best is not None else 1e-3, t.ratios), set(t.ratios)),
                             (seed0, *repeat_seeds(spec.seeds)))
         if b.status != "bracketed":

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from optquant.config import RunConfig
-from optquant.study.bracket import Bracket, best_lr, bracket, extensions, refinement, round_lr
+from optquant.study.bracket import Bracket, bracket, extensions, refinement, round_lr
 from optquant.study_spec import StudySpec, lr_grid, run_config
 
 Key = tuple[str, str]  # (optimizer, size)
@@ -73,12 +73,13 @@ class LRSearch:
 @dataclass
 class Tuning:
     """One (optimizer, size)'s search: its LR runs at the final ratios and where they ended (the best LR), the
-    ratios and their searches."""
+    ratios, their searches and where each ended."""
 
     lr_runs: dict[float, dict[str, Any]]  # lr -> first-seed summary, at the final ratios
     lr: Bracket  # the LR search's end over lr_runs
     ratios: dict[str, float] = field(default_factory=dict)  # ratio field -> value (the tied groups)
     ratio_runs: dict[str, dict[float, dict[str, Any]]] = field(default_factory=dict)  # field -> ratio -> summary
+    ratio_ends: dict[str, Bracket] = field(default_factory=dict)  # field -> its search's end over ratio_runs
 
 
 def loss_of(summary: dict[str, Any]) -> float:
@@ -149,6 +150,7 @@ def coordinate(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict]
     best = {k: e.best for k, e in ends.items()}
     ratios = {k: dict(v) for k, v in ratios.items()}
     ratio_runs: dict[Key, dict[str, dict]] = {k: {} for k in grids}
+    ratio_ends: dict[Key, dict[str, Bracket]] = {k: {} for k in grids}
     start = {k: dict(v) for k, v in ratios.items()}
     fields = {k: [r for _, _, r in group_fields(spec, k[0])] for k in grids}
     for i in range(max((len(v) for v in fields.values()), default=0)):
@@ -158,15 +160,15 @@ def coordinate(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict]
         found = search(run, "group lr", {k: centred(ratios[k][f], spec.lr_step, 3) for k, f in keys.items()},
                        lambda k, x, keys=keys: config(k, best[k], {**ratios[k], keys[k]: x}), spec)
         for k, f in keys.items():
-            ratio_runs[k][f] = found[k]
-            if (new := best_lr(losses(found[k]))) is not None:
-                ratios[k][f] = new
+            ratio_runs[k][f], ratio_ends[k][f] = found[k], bracket(losses(found[k]))
+            if ratio_ends[k][f].best is not None:
+                ratios[k][f] = ratio_ends[k][f].best
     moved = {k: centred(best[k], spec.lr_step, spec.lr_points) for k in grids if ratios[k] != start[k]}
     if moved:
         again = search(run, "fp sweep", moved, lambda k, lr: config(k, lr, ratios[k]), spec)
         lr_runs.update(again)
         ends |= {k: bracket(losses(lr_runs[k])) for k in again}
-    return {k: Tuning(lr_runs[k], ends[k], ratios[k], ratio_runs[k]) for k in grids}
+    return {k: Tuning(lr_runs[k], ends[k], ratios[k], ratio_runs[k], ratio_ends[k]) for k in grids}
 
 
 def tune(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict], RunConfig]) -> dict[Key, Tuning]:
@@ -189,35 +191,24 @@ def tune(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict], RunC
 
 
 def step_sizes(cfg: RunConfig, searched: set[str]) -> list[dict[str, Any]]:
-    """Every step size of `cfg`'s optimizers as built: the parameter groups it moves (embeddings, vectors,
-    matrices), their count and share, its base LR, and how it was chosen: "searched" (it is lr), "tied" (a
-    multiple of lr whose ratio field is in `searched`), "tied-fixed" (a multiple of lr at a fixed ratio, e.g. a
-    plugin's), or "fixed" (it does not move with lr). Found by building the optimizers at lr and at 2·lr."""
-    from dataclasses import replace
+    """Every step size of `cfg`'s optimizers, as the optimizer declares its param groups (its `lr_groups`): the
+    parameter groups each moves (embeddings, vectors, matrices), their count and share, its base LR, and how it
+    was chosen: "searched" (it is lr), "tied" (a multiple of lr whose ratio field is in `searched`), "tied-fixed"
+    (a multiple of lr at a fixed ratio) or "fixed" (it does not move with lr). Nothing is built but the model's
+    shapes (cost.meta_model), which give the counts."""
+    from optquant.cost import meta_model
+    from optquant.optim import split_params
 
-    from optquant.optim import build_optimizers, split_params
-    from optquant.train import build_model
-
-    model = build_model(cfg)
-    kinds = {id(p): kind for kind, ps in vars(split_params(model)).items() for p in ps}
-    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    twice = [g for o in build_optimizers(model, replace(cfg.optim, lr=2 * cfg.optim.lr)) for g in o.param_groups]
-    rows: dict[tuple, dict[str, Any]] = {}
-    lr = cfg.optim.lr
-    for g, g2 in zip([g for o in build_optimizers(model, cfg.optim) for g in o.param_groups], twice, strict=True):
-        base, ratio = g["base_lr"], g["base_lr"] / lr
-        group = "+".join(sorted({kinds[id(p)] for p in g["params"]}))
-        if math.isclose(base, lr, rel_tol=1e-9):
+    counts = {kind: sum(p.numel() for p in ps) for kind, ps in vars(split_params(meta_model(cfg))).items()}
+    rows, lr = [], cfg.optim.lr
+    for g in cfg.optim.lr_groups():  # each parameter group in one param group: no two rows to merge
+        if not (kinds := sorted(k for k in g.kinds if counts[k])):
+            continue  # build leaves out an empty param group
+        if math.isclose(g.lr, lr, rel_tol=1e-9):
             rule, fld = "searched", None
-        elif math.isclose(g2["base_lr"], 2 * base, rel_tol=1e-9):
-            fld = next((f for f in sorted(searched) if math.isclose(getattr(cfg.optim, f, math.nan), ratio,
-                                                                   rel_tol=1e-9)), None)
-            rule = "tied" if fld else "tied-fixed"
         else:
-            rule, fld = "fixed", None
-        row = rows.setdefault((group, rule, base), {"group": group, "rule": rule, "lr": base, "ratio": ratio,
-                                                     "field": fld, "params": 0})
-        row["params"] += sum(p.numel() for p in g["params"])
-    for row in rows.values():
-        row["share"] = row["params"] / total
-    return list(rows.values())
+            fld = g.ratio if g.tied and g.ratio in searched else None
+            rule = "tied" if fld else "tied-fixed" if g.tied else "fixed"
+        rows.append({"group": "+".join(kinds), "rule": rule, "lr": g.lr, "ratio": g.lr / lr, "field": fld,
+                     "params": (n := sum(counts[k] for k in kinds)), "share": n / sum(counts.values())})
+    return rows
