@@ -134,10 +134,11 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 # Size presets. Widths are multiples of 128 for the paper sizes, so every linear input dimension
 # (D and the MLP hidden width) admits the 128-block Hadamard of QuEST. Counts are in the README.
 MODEL_PRESETS: dict[str, dict] = {
-    # The default CPU study's four sizes (study_spec.py's `cpu`): depth and width grow together, as in the paper's
-    # family, so that quantization error has blocks to propagate through (≥ 2 everywhere, 4 at the largest) while a run
-    # stays seconds long. With the study's 1024-token vocabulary: 1.6k, 3.5k, 9.3k and 27.9k non-embedding parameters (a
-    # 17× span in the N the fits count), the tied embedding 84 % of the smallest model and 47 % of the largest.
+    # The default CPU study's four sizes (study_spec.py's `cpu`): depth and width grow together, as in the
+    # paper's family, so that quantization error has blocks to propagate through (≥ 2 everywhere, 4 at the
+    # largest) while a run stays seconds long. With the study's 1024-token vocabulary: 1.6k, 3.5k, 9.3k and
+    # 27.9k non-embedding parameters (a 17× span in the N the fits count), the tied embedding 84 % of the
+    # smallest model and 47 % of the largest.
     "zepto": dict(n_layer=2, d_model=8, n_head=2, n_kv_head=2, seq_len=64),
     "atto": dict(n_layer=2, d_model=12, n_head=2, n_kv_head=2, seq_len=64),
     "femto": dict(n_layer=3, d_model=16, n_head=2, n_kv_head=2, seq_len=64),

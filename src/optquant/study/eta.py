@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from optquant.study.plan import STEPS, last_phase, phase, planned
 from optquant.study_spec import StudySpec, run_config
 
-# The prior seconds of a job for one worker: a fixed part (per training step, or per PTQ/outlier job: Python, the
-# optimizer's per-tensor work, loading a model) plus its FLOPs at an effective rate. Fitted to the default study
-# recorded on the idle 2-core machine (tests/data/costs-cpu.jsonl); a probe (study/probe.py) rescales it to the machine
-# that runs the study, the first finished jobs to its load. What matters beyond the level is its shape across sizes: a
-# FLOPs-only prior made the smallest size's jobs (mostly fixed cost) predict the largest's 3× too slow.
+# The prior seconds of a job for one worker: a fixed part (per training step, or per PTQ/outlier job: Python,
+# the optimizer's per-tensor work, loading a model) plus its FLOPs at an effective rate. Fitted to the default
+# study recorded on the idle 2-core machine (tests/data/costs-cpu.jsonl); a probe (study/probe.py) rescales it
+# to the machine that runs the study, the first finished jobs to its load. What matters beyond the level is its
+# shape across sizes: a FLOPs-only prior made the smallest size's jobs (mostly fixed cost) predict the
+# largest's 3× too slow.
 PRIOR = {"fp": (0.0096, 2.5e10), "ptq": (0.12, 1.8e10)}  # (fixed s, FLOP/s)
 QAT_OVER_FP = 1.3  # prior QAT/FP cost ratio (QuEST's quantizers), corrected once a QAT run finishes
 RECENT = 3  # a cell's estimate is the mean of its last RECENT jobs
