@@ -66,8 +66,10 @@ def _fp_section(d: StudyData, fig_dir: Path) -> Section:
 def _ptq_sections(d: StudyData, fig_dir: Path) -> list[Section]:
     scheme = d.paper_scheme() or "w4a4-rtn"
     other = tuple(table3(d, s) for s in d.schemes("cl") if s != scheme)
-    corr_paper = paper_values_table("paper-corr", "Fig. 1 correlations at 760M (vs post-PTQ accuracy)",
-                                    paper.CORRELATIONS_760M, paper.CORRELATIONS_SOURCES, "ρ")  # fmt: skip
+    corr_paper = paper_values_table(
+        "paper-corr", "Fig. 1 correlations at 760M (vs post-PTQ accuracy)", paper.CORRELATIONS_760M,
+        paper.CORRELATIONS_SOURCES, "ρ",
+    )  # fmt: skip
     ptq = ((table3(d, scheme), paper_table(paper.TABLE3_PTQ_ACC, "paper-t3")), *task_tables(d, scheme),
            table3_schemes(d), *other, cl_table(d))
     other_corr = tuple(correlation_table(d, s) for s in d.schemes("cl") if s != scheme)
