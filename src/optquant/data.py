@@ -270,8 +270,12 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer, length=len(texts))
     if tok.get_vocab_size() != vocab_size:
         # BPE ran out of pairs to merge: silently using a smaller vocabulary would desync the model.
@@ -416,8 +420,9 @@ def check_enough(tokens: np.ndarray, batch_size: int, seq_len: int, split: str) 
                             f"{need}; use more data, a larger val_fraction or a smaller batch")
 
 
-def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int,
-              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(
+    tokens: np.ndarray, batch_size: int, seq_len: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y), int64 (B, T): windows at uniform random offsets (with replacement); y is x shifted by one."""
     import torch
 
@@ -433,8 +438,9 @@ def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int,
     return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
-def fixed_batches(tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: int,
-                  seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fixed_batches(
+    tokens: np.ndarray, n_batches: int, batch_size: int, seq_len: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same `n_batches` random batches for every call with the same seed: a fixed validation set."""
     import torch
 

@@ -216,8 +216,9 @@ def mc_scores(lls: np.ndarray, lengths: np.ndarray, gold: np.ndarray) -> tuple[f
 
 
 @torch.no_grad()
-def continuation_logliks(model: nn.Module, items: Sequence[MCItem], *, batch_size: int = 16,
-                         autocast: torch.dtype | None = None) -> np.ndarray:
+def continuation_logliks(
+    model: nn.Module, items: Sequence[MCItem], *, batch_size: int = 16, autocast: torch.dtype | None = None
+) -> np.ndarray:
     """(N, K) summed log-probabilities of each choice given its item's context."""
     if not items:
         raise OptquantError("multiple choice: no items")
@@ -247,8 +248,9 @@ def continuation_logliks(model: nn.Module, items: Sequence[MCItem], *, batch_siz
     return torch.cat(out).numpy()
 
 
-def mc_accuracy(model: nn.Module, items: Sequence[MCItem], *, batch_size: int = 16,
-                autocast: torch.dtype | None = None) -> MCResult:
+def mc_accuracy(
+    model: nn.Module, items: Sequence[MCItem], *, batch_size: int = 16, autocast: torch.dtype | None = None
+) -> MCResult:
     lls = continuation_logliks(model, items, batch_size=batch_size, autocast=autocast)
     lengths = np.array([it.lengths for it in items], dtype=np.float64)
     acc, acc_norm = mc_scores(lls, lengths, np.array([it.gold for it in items]))

@@ -209,8 +209,9 @@ class Attention(nn.Module):
             scale = 1.0
         else:
             scale = None
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=self.n_kv_head != self.n_head
+        )
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, D)
         if hasattr(self, "gate_proj"):
             y = y * torch.sigmoid(self.gate_proj(x))

@@ -104,8 +104,9 @@ def sign_flip_test(diffs: Sequence[float] | np.ndarray, *, n_mc: int = 20000, se
     return float((1 + np.sum(t >= obs - tol)) / (1 + n_mc))
 
 
-def bootstrap_mean_ci(diffs: Sequence[float] | np.ndarray, *, n_boot: int = 4000, level: float = 0.95,
-                      seed: int = 0) -> tuple[float, float]:
+def bootstrap_mean_ci(
+    diffs: Sequence[float] | np.ndarray, *, n_boot: int = 4000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of `diffs` (units resampled with replacement)."""
     d = np.asarray(diffs, dtype=float)
     if len(d) < 2:
@@ -185,8 +186,9 @@ class Ranking:
         return min_p(self.n_units) < self.alpha / m or any(p < self.alpha for _, p in self.pairs.values())
 
 
-def rank_with_ties(values: Mapping[str, pd.Series], *, lower_is_better: bool = True, alpha: float = ALPHA,
-                   seed: int = 0) -> Ranking:
+def rank_with_ties(
+    values: Mapping[str, pd.Series], *, lower_is_better: bool = True, alpha: float = ALPHA, seed: int = 0
+) -> Ranking:
     """Rank options whose values are Series indexed by unit (e.g. seed, or (size, seed) to pool sizes)."""
     opts = [o for o, s in values.items() if np.isfinite(np.asarray(s, dtype=float)).any()]
     pairs = list(itertools.combinations(opts, 2))

@@ -69,13 +69,14 @@ def llama_state_dict(model: LM) -> dict[str, torch.Tensor]:
 def llama_config(model: LM, eot_id: int):
     transformers = require_transformers()
     cfg = model.cfg
-    return transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-                                    intermediate_size=cfg.mlp_hidden, num_hidden_layers=cfg.n_layer,
-                                    num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-                                    head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.seq_len,
-                                    rms_norm_eps=torch.finfo(torch.float32).eps, rope_theta=cfg.rope_base,
-                                    attention_bias=False, mlp_bias=False, tie_word_embeddings=cfg.tie_embeddings,
-                                    bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=None, torch_dtype="float32")
+    return transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.mlp_hidden,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+        head_dim=cfg.head_dim, hidden_act="silu", max_position_embeddings=cfg.seq_len,
+        rms_norm_eps=torch.finfo(torch.float32).eps, rope_theta=cfg.rope_base, attention_bias=False,
+        mlp_bias=False, tie_word_embeddings=cfg.tie_embeddings, bos_token_id=eot_id, eos_token_id=eot_id,
+        pad_token_id=None, torch_dtype="float32",
+    )
 
 
 def _holds_results(path: Path) -> bool:

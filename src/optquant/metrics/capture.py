@@ -64,8 +64,13 @@ def _first_input(args: tuple, kwargs: dict) -> Tensor:
 
 
 @contextmanager
-def capture(model: nn.Module, modules: Mapping[str, nn.Module] | Iterable[tuple[str, nn.Module]] | Iterable[nn.Module],
-            *, outputs: bool = False, fn: OnForward | None = None) -> Iterator[Activations]:
+def capture(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module] | Iterable[tuple[str, nn.Module]] | Iterable[nn.Module],
+    *,
+    outputs: bool = False,
+    fn: OnForward | None = None,
+) -> Iterator[Activations]:
     """Hook `modules` of `model` for the duration of the `with` block.
 
     With `fn`, every forward calls `fn(name, input, output or None)` and nothing is stored; the

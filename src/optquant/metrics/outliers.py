@@ -189,8 +189,13 @@ class _Stream:
 
 
 @torch.no_grad()
-def outlier_metrics(model: nn.Module, batches: Iterable, *, skip: tuple[str, ...] = ("lm_head",),
-                    residual: bool = True) -> list[OutlierRow]:
+def outlier_metrics(
+    model: nn.Module,
+    batches: Iterable,
+    *,
+    skip: tuple[str, ...] = ("lm_head",),
+    residual: bool = True,
+) -> list[OutlierRow]:
     """MMR, kurtosis and kurtRMS at every quantized-linear input and (optionally) every residual state.
 
     `batches` yields token ids (B, T) or (x, y) pairs; the model runs as it is (dtype, autocast are the

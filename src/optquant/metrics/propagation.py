@@ -305,8 +305,9 @@ def ptq_pair(model: nn.Module, cfg: PTQConfig, calib=None) -> tuple[nn.Module, n
 
 
 @torch.no_grad()
-def propagation(fp: nn.Module, q: nn.Module, batches: Iterable,
-                cfg: PropagationConfig = PropagationConfig()) -> tuple[list[ABCRow], ABCSummary]:
+def propagation(
+    fp: nn.Module, q: nn.Module, batches: Iterable, cfg: PropagationConfig = PropagationConfig()
+) -> tuple[list[ABCRow], ABCSummary]:
     """ABC rows (both norms; linear rows before their chain module) and the summary in `cfg.norm`.
 
     `fp` is the FP reference (the rotated FP model when the PTQ rotates) and `q` its quantized copy;
@@ -360,8 +361,14 @@ def summarize(rows: Iterable[ABCRow], norm: Norm = "token") -> ABCSummary:
     tensor_lin = [r for r in rows if r.norm == "tensor" and r.kind == "linear"]
     if not chain:
         raise OptquantError(f"summarize: no chain rows (kind sublayer/final) with norm {norm!r}")
-    return ABCSummary(norm=norm, R_L=chain[-1].R, sum_A=sum(r.A for r in chain), sum_B=sum(r.B for r in chain),
-                      sum_C=sum(r.C for r in chain), mean_gain=_finite_mean([r.G for r in chain]),
-                      mean_gain_linear=_finite_mean([r.G for r in lin]),
-                      mean_G1=_finite_mean([r.G1 for r in tensor_lin]),
-                      mean_G2=_finite_mean([r.G2 for r in tensor_lin]))
+    return ABCSummary(
+        norm=norm,
+        R_L=chain[-1].R,
+        sum_A=sum(r.A for r in chain),
+        sum_B=sum(r.B for r in chain),
+        sum_C=sum(r.C for r in chain),
+        mean_gain=_finite_mean([r.G for r in chain]),
+        mean_gain_linear=_finite_mean([r.G for r in lin]),
+        mean_G1=_finite_mean([r.G1 for r in tensor_lin]),
+        mean_G2=_finite_mean([r.G2 for r in tensor_lin]),
+    )

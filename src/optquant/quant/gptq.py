@@ -79,8 +79,15 @@ def _static_params(W: Tensor, spec: QuantSpec, amax: Tensor | None) -> tuple[Ten
     return scale.reshape(rows, n_groups), zero.reshape(rows, n_groups), col_group
 
 
-def gptq_quantize(W: Tensor, H: Tensor, spec: QuantSpec, *, damp: float = 0.01, block_size: int = 128,
-                  act_order: bool = False) -> Tensor:
+def gptq_quantize(
+    W: Tensor,
+    H: Tensor,
+    spec: QuantSpec,
+    *,
+    damp: float = 0.01,
+    block_size: int = 128,
+    act_order: bool = False,
+) -> Tensor:
     """GPTQ-quantized (dequantized, same dtype as W) copy of W (out, in) given H (in, in); computed in fp64 for an
     fp64 W, else fp32. The work is on Wᵀ: each column of W is a contiguous row, its update within a block a rank-1
     `addr_` and the lazy batch update one `addmm_`, so the column loop runs a few small ops per column."""

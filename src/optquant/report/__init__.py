@@ -53,10 +53,17 @@ CAVEAT = (
 
 
 def _fp_section(d: StudyData, fig_dir: Path) -> Section:
-    timing = paper_values_table("paper-timing", "Table 9 step time at 760M (s)", paper.TIMING_760M,
-                                paper.TIMING_SOURCES, "s / step")
-    blocks = ((table2(d), paper_table(paper.TABLE2_ACC, "paper-t2")), tuning_table(d), lr_status_table(d),
-              curves.fig_lr_sweeps(d, fig_dir), curves.fig_training_curves(d, fig_dir), (cost_table(d), timing))
+    timing = paper_values_table(
+        "paper-timing", "Table 9 step time at 760M (s)", paper.TIMING_760M, paper.TIMING_SOURCES, "s / step"
+    )
+    blocks = (
+        (table2(d), paper_table(paper.TABLE2_ACC, "paper-t2")),
+        tuning_table(d),
+        lr_status_table(d),
+        curves.fig_lr_sweeps(d, fig_dir),
+        curves.fig_training_curves(d, fig_dir),
+        (cost_table(d), timing),
+    )
     intro = ("Each optimizer's LR sweep per size; the best LR is chosen by final validation loss and, where the "
              "search could not bracket it, listed with the reason. Numbers are mean ± sd [95 % interval] over "
              "seeds; ranks come with ties where paired tests cannot tell optimizers apart.")
@@ -73,8 +80,13 @@ def _ptq_sections(d: StudyData, fig_dir: Path) -> list[Section]:
     ptq = ((table3(d, scheme), paper_table(paper.TABLE3_PTQ_ACC, "paper-t3")), *task_tables(d, scheme),
            table3_schemes(d), *other, cl_table(d))
     other_corr = tuple(correlation_table(d, s) for s in d.schemes("cl") if s != scheme)
-    outliers = ((correlation_table(d, scheme), corr_paper), figures.fig1_damage_vs_metrics(d, fig_dir),
-                outlier_table(d), figures.fig2_mmr_vs_lr(d, fig_dir), *other_corr)
+    outliers = (
+        (correlation_table(d, scheme), corr_paper),
+        figures.fig1_damage_vs_metrics(d, fig_dir),
+        outlier_table(d),
+        figures.fig2_mmr_vs_lr(d, fig_dir),
+        *other_corr,
+    )
     return [
         Section("ptq", "Post-training quantization at the Common Loss (Table 3)",
                 "Every optimizer's model is taken at the first checkpoint reaching the size's common "
@@ -93,8 +105,12 @@ def _ptq_sections(d: StudyData, fig_dir: Path) -> list[Section]:
 def _qat_sections(d: StudyData, fig_dir: Path) -> list[Section]:
     qat = ((table4(d), paper_table(paper.TABLE4_QAT_ACC, "paper-t4"),
             paper_table(paper.TABLE4_QAT_REL, "paper-t4rel")),)  # fmt: skip
-    scaling = ((table10(d), paper_table(paper.TABLE10_FITS, "paper-t10")), table10_joint(d), fit_diagnostics_table(d),
-               curves.fig_scaling(d, fig_dir))
+    scaling = (
+        (table10(d), paper_table(paper.TABLE10_FITS, "paper-t10")),
+        table10_joint(d),
+        fit_diagnostics_table(d),
+        curves.fig_scaling(d, fig_dir),
+    )
     return [
         Section("qat", "Quantization-aware training (Table 4)",
                 "QuEST W4A4 trained from scratch at each optimizer's best full-precision LR.", qat),

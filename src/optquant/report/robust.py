@@ -132,7 +132,8 @@ def _pct(x: float) -> str:
 def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
     cells = _cells(df, scheme)
     cols = ("optimizer", "method", "n", "Δ damage (arm − plain) [95 % CI]", "change", "p", "p_Holm",
-            "Δ final FP loss [95 % CI]", "p_Holm FP", "step time ×", "R_L change", "CL reached", "n for −30 %")
+            "Δ final FP loss [95 % CI]", "p_Holm FP", "step time ×", "R_L change", "CL reached",
+            "n for −30 %")
     rows = tuple((c["opt"], c["arm"], str(c["test"].n),
                   f"{_fmt(c['test'].mean_diff)} [{_fmt(c['test'].lo)}, {_fmt(c['test'].hi)}]",
                   _pct(c['change']), f"{c['test'].p:.3g}", f"{c['test_holm']:.3g}",

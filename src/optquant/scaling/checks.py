@@ -26,8 +26,9 @@ from optquant.scaling.solver import Design, Fit
 _SHARED = ("A", "alpha", "E")  # a bound or a failed check on these affects every ρ of the fit
 
 
-def diagnose(pts: list[ScalingPoint], d: Design, fit: Fit, intervals: dict[str, tuple],
-             resampling: str) -> FitDiagnostics:
+def diagnose(
+    pts: list[ScalingPoint], d: Design, fit: Fit, intervals: dict[str, tuple], resampling: str
+) -> FitDiagnostics:
     """Residuals, Gauss–Newton correlations and interval widths at the optimum (no verdict yet)."""
     x0 = float(d.x.mean())
     a0, alpha, e, r = fit.theta[0] - fit.theta[1] * x0, fit.theta[1], fit.theta[2], fit.theta[3:]

@@ -102,8 +102,9 @@ def jackknife(pts: list[ScalingPoint], design: DesignFn, cfg: FitConfig, full: F
     return _summarize(draws, full, 3, interval)
 
 
-def _summarize(draws: list[dict[str, float]], full: Fit, need: int,
-               interval: Callable[[np.ndarray, str], tuple]) -> dict[str, tuple]:
+def _summarize(
+    draws: list[dict[str, float]], full: Fit, need: int, interval: Callable[[np.ndarray, str], tuple]
+) -> dict[str, tuple]:
     """One (lo, hi) per parameter, or NaN when fewer than `need` refits could identify the law."""
     if len(draws) < need:
         log.warning("only %d refits identify the scaling law; intervals are NaN", len(draws))

@@ -165,8 +165,14 @@ class JointFit(_Serializable):
     diagnostics: FitDiagnostics | None = None
 
 
-def predict(fit: LawFit | JointFit, n_params: float | np.ndarray, quantized: bool = False, *, bits: int = 4,
-            optimizer: str | None = None) -> np.ndarray:
+def predict(
+    fit: LawFit | JointFit,
+    n_params: float | np.ndarray,
+    quantized: bool = False,
+    *,
+    bits: int = 4,
+    optimizer: str | None = None,
+) -> np.ndarray:
     """L̂ = A/(N·ρ)^α + E for FP (ρ = 1, or ρ_fp in a joint fit) or QAT at `bits`."""
     key = f"{bits}bit"
     if isinstance(fit, JointFit):

@@ -34,8 +34,9 @@ TARGETS = ("d_val_loss", "d_acc")
 METHODS = ("pearson", "spearman")
 
 
-def bootstrap_ci(x: np.ndarray, y: np.ndarray, method: str, *, n_boot: int = 2000, level: float = 0.95,
-                 seed: int = 0) -> tuple[float, float, float]:
+def bootstrap_ci(
+    x: np.ndarray, y: np.ndarray, method: str, *, n_boot: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float, float]:
     """(low, high, degenerate share) of the percentile bootstrap of r over resampled (x, y) pairs."""
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(x), size=(n_boot, len(x)))
@@ -67,9 +68,17 @@ def _columns(df: pd.DataFrame, asked: Sequence[str] | None, default: Sequence[st
     return cols
 
 
-def correlate(data: pd.DataFrame | Iterable[Mapping], metrics: Sequence[str] | None = None,
-              targets: Sequence[str] | None = None, *, by: str | None = None, control: str | None = None,
-              n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> pd.DataFrame:
+def correlate(
+    data: pd.DataFrame | Iterable[Mapping],
+    metrics: Sequence[str] | None = None,
+    targets: Sequence[str] | None = None,
+    *,
+    by: str | None = None,
+    control: str | None = None,
+    n_boot: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> pd.DataFrame:
     """Tidy table: one row per (group, metric, target, method) with n, r, p, ci_low, ci_high.
 
     `data` has one row per model. `metrics`/`targets` default to those of METRICS/TARGETS present.
