@@ -180,7 +180,9 @@ def _distractors(docs, src: np.ndarray, d: int, true: tuple, cfg: MCConfig, rng)
     raise OptquantError("multiple choice: could not find distinct distractors; too few distinct documents")
 
 
-def build_mc_items(tokens: np.ndarray, cfg: MCConfig = MCConfig(), *, eot_id: int, tokenizer=None) -> list[MCItem]:
+def build_mc_items(
+    tokens: np.ndarray, cfg: MCConfig = MCConfig(), *, eot_id: int, tokenizer=None
+) -> list[MCItem]:
     """Deterministic (seeded) items from a validation token stream; see the module docstring."""
     docs = split_at_eot(tokens, eot_id)
     need = cfg.context_len + cfg.cont_len

@@ -391,7 +391,8 @@ def _load_optimizer_states(ckpt: Path, cfg: RunConfig, optimizers: list, saved: 
                             "delete it to train this run from scratch") from None
 
 
-def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: float, val_loss: float) -> dict:
+def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: float,
+                 val_loss: float) -> dict:
     record = {"step": state["step"], "train_loss": loss, "val_loss": val_loss,
               "lr": cfg.optim.lr * mult, "tokens": state["step"] * cfg.train.batch_size * cfg.model.seq_len}
     with os.fdopen(open_nofollow(RunDir(run_dir).metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:

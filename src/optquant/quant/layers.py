@@ -20,7 +20,9 @@ class QuantLinear(nn.Module):
     forward(x) = F.linear(fake_quant(x, act), Ŵ, bias), with act = None meaning inputs stay as they are.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, act: QuantSpec | None = None, scheme: str = ""):
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None = None, act: QuantSpec | None = None, scheme: str = ""
+    ):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)

@@ -109,7 +109,9 @@ class RotatedNorm(nn.Module):
         return self.rot(self.norm(x))
 
 
-def make_rotation(n: int, kind: RotationKind = "hadamard", generator: torch.Generator | None = None) -> OnlineHadamard:
+def make_rotation(
+    n: int, kind: RotationKind = "hadamard", generator: torch.Generator | None = None
+) -> OnlineHadamard:
     """An orthonormal block Hadamard of width n; kind="random" flips row signs (seeded by `generator`)."""
     if kind not in ("hadamard", "random"):
         raise OptquantError(f"rotation kind must be 'hadamard' or 'random', got {kind!r}")

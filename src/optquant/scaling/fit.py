@@ -58,7 +58,9 @@ def fit_joint(points: Sequence[ScalingPoint], cfg: FitConfig = FitConfig()) -> J
     return judged(fit, spreads(fit.rho.values(), fit.rho_fp.values()), cfg)
 
 
-def _fit_with_intervals(pts: list[ScalingPoint], design: DesignFn, cfg: FitConfig) -> tuple[dict[str, float], dict]:
+def _fit_with_intervals(
+    pts: list[ScalingPoint], design: DesignFn, cfg: FitConfig
+) -> tuple[dict[str, float], dict]:
     """Named parameters, and the fields every fit result shares."""
     d = check_points(pts, design)
     with one_blas_thread():

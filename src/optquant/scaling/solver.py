@@ -60,7 +60,9 @@ def joint_design(ref: str) -> DesignFn:
     return design
 
 
-def _make_design(pts: list[ScalingPoint], M: np.ndarray, names: tuple[str, ...], capped: list[bool]) -> Design:
+def _make_design(
+    pts: list[ScalingPoint], M: np.ndarray, names: tuple[str, ...], capped: list[bool]
+) -> Design:
     logs = np.log([[p.n_params, p.loss] for p in pts]).reshape(len(pts), 2)
     return Design(logs[:, 0], logs[:, 1], M, names, np.array(capped, dtype=bool))
 
