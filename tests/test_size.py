@@ -84,10 +84,7 @@ from pathlib import Path
 # model.attn_gate, Qwen's gated attention; the Seeds table's scheme from the arm): 17,256 merged, budget 17,260.
 # The merge's mends (+9: the StudySpec module below the report, study_spec.py, with round_lr; a sweep's bad value names
 # the sweep; a robust entry that does not parse names the entry): 17,265, budget 17,270.
-# Issue 29's clean-up lean34 (−102 on its branch: wrapped statements and strings that fit in 120 columns, AST
-# unchanged; the report page through atomic_write_text, one signed number format, one /proc/cpuinfo reader):
-# budget 17,168.
-BUDGET = 17_168
+BUDGET = 17_270
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 
