@@ -232,10 +232,12 @@ def cost_lines(cfg, plan: GPUConfig = DEFAULT_GPU) -> list[str]:
         f"  parameters {b.n_params:,} ({b.n_params_non_embedding:,} non-embedding)",
         f"  tokens {b.tokens:,} = {b.steps:,} steps × {cfg.train.batch_size} × {cfg.model.seq_len}",
         f"  training FLOPs {b.flops:.3g} (6·N·D + attention)",
-        f"  peak memory {'≥ ' * (b.state is None)}{gb(b.memory)} per GPU at micro-batch {b.micro_batch}: weights "
-        f"{gb(b.weights)}, gradients {gb(b.grads)}, optimizer state {gb(b.state)}, activations ≈ {gb(b.activations)}",
-        f"  {b.gpu_hours:.3g} GPU-hours on {plan.gpus_per_run}× {acc.name} (peak bf16 {acc.bf16_flops / 1e12:g} "
-        f"TFLOP/s, assumed MFU {plan.mfu:g}), {b.step_seconds / plan.gpus_per_run:.3g} s per optimizer step",
+        f"  peak memory {'≥ ' * (b.state is None)}{gb(b.memory)} per GPU at micro-batch {b.micro_batch}: "
+        f"weights {gb(b.weights)}, "
+        f"gradients {gb(b.grads)}, optimizer state {gb(b.state)}, activations ≈ {gb(b.activations)}",
+        f"  {b.gpu_hours:.3g} GPU-hours on {plan.gpus_per_run}× {acc.name} "
+        f"(peak bf16 {acc.bf16_flops / 1e12:g} TFLOP/s, assumed MFU {plan.mfu:g}), "
+        f"{b.step_seconds / plan.gpus_per_run:.3g} s per optimizer step",
     ]
     if not b.fits:
         lines.append(f"  WARNING: needs {gb(b.memory)} > {gb(acc.memory)} of the {acc.name}; fix: {b.fix}")

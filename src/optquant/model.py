@@ -86,7 +86,8 @@ class ModelConfig:
         if self.d_model % self.n_head:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}")
+            raise ValueError(f"model.n_head={self.n_head} is not a multiple of "
+                             f"model.n_kv_head={self.n_kv_head}")
         if self.head_dim % 2:
             raise ValueError(f"head width {self.head_dim} must be even for RoPE")
 

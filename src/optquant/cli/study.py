@@ -160,7 +160,8 @@ class Progress:
                 return
             if event["event"] == "stage":
                 self.stage = event["stage"]
-                self.write(f"[{now - self.eta.start:7.1f}s] {self.stage}: {event['jobs']} jobs; {self.status(now)}")
+                self.write(f"[{now - self.eta.start:7.1f}s] {self.stage}: {event['jobs']} jobs; "
+                           f"{self.status(now)}")
                 self.last_line = now
                 self._show(now)
                 return

@@ -117,8 +117,9 @@ def export_hf(run_dir: Path, out: Path, weights: Weights = "final", force: bool 
     check_target(run_dir, out, force)
     cfg, model = load_run_model(run_dir, weights)
     if cfg.model.arch != "llama":
-        raise OptquantError(f"{run_dir}: the {cfg.model.arch} variant (ReLU² MLP, per-head L2 QK-norm with a learned "
-                            "scale) matches no Hugging Face architecture exactly; only model.arch=llama runs export")
+        raise OptquantError(f"{run_dir}: the {cfg.model.arch} variant (ReLU² MLP, per-head L2 QK-norm with a "
+                            "learned scale) matches no Hugging Face architecture exactly; only model.arch=llama "
+                            "runs export")
     if cfg.qat is not None:
         raise OptquantError(f"{run_dir}: a QAT run's quantizers have no Hugging Face equivalent; export FP runs")
     if cfg.model.norm != "rms" or cfg.model.embed_proj:

@@ -44,11 +44,12 @@ __all__ = ["headline_tables", "render_report", "report_markdown"]
 log = logging.getLogger(__name__)
 
 CAVEAT = (
-    "Read the comparison with the paper as qualitative. The paper trains 50M–1.5B-parameter OLMo2 models on ClimbMix "
-    "and scores zero-shot accuracy (PIQA, HellaSwag, ARC-Easy); this study's models are far smaller and its main "
-    "score is validation loss (lower is better), with a small built-in multiple-choice task, or the lm-eval tasks the "
-    "study names (eval.tasks, Table 3c), where present. Cells labelled “paper” are the paper's reported numbers "
-    "(reference/paper.md §10), shown for orientation only. Δ always means quantized − full precision."
+    "Read the comparison with the paper as qualitative. The paper trains 50M–1.5B-parameter OLMo2 models on "
+    "ClimbMix and scores zero-shot accuracy (PIQA, HellaSwag, ARC-Easy); this study's models are far smaller "
+    "and its main score is validation loss (lower is better), with a small built-in multiple-choice task, or "
+    "the lm-eval tasks the study names (eval.tasks, Table 3c), where present. Cells labelled “paper” are the "
+    "paper's reported numbers (reference/paper.md §10), shown for orientation only. Δ always means quantized − "
+    "full precision."
 )
 
 

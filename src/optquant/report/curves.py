@@ -169,7 +169,8 @@ def fig_training_curves(d: StudyData, out: Path) -> Plot:
     axes[0].set_ylabel("loss")
     optimizer_legend(fig, d, [o for o in d.optimizers if any(o in c for c in curves.values())])
     caption = (
-        f"From runs/<run_id>/metrics.jsonl of the best-LR FP runs ({n_runs} runs). Thick: validation loss; thin: "
-        "training loss. The y-axis shows the last 90 % of training; the first steps' much higher losses are cut off."
+        f"From runs/<run_id>/metrics.jsonl of the best-LR FP runs ({n_runs} runs). "
+        "Thick: validation loss; thin: training loss. The y-axis shows the last 90 % of training; the "
+        "first steps' much higher losses are cut off."
     )
     return Plot("curves", title, save(fig, out, "training_curves"), caption)

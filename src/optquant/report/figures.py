@@ -214,12 +214,14 @@ def fig1_damage_vs_metrics(d: StudyData, out: Path) -> Plot:
                 f"Δ = {r['damage']:.3g}; run {big[0]}, the arrow), so the damage axis is symlog, linear below "
                 f"{big[1]:.2g}, so that the other points can be read.")
     caption = (
-        f"From results.parquet kind=fp and kind=cl: delta_val_loss and R_L at scheme={scheme}, mmr and kurtosis at "
-        f"scheme=none; {len(df)} models, FP sweep runs and CL models (colour: optimizer, marker: size).{note} Titles: "
-        "correlations.parquet rows with target=delta_val_loss (the largest size, then pooled over sizes): Pearson r "
-        "[95 % bootstrap CI], its leave-one-out range (LOO: the smallest and largest r with one of the plotted models "
-        "left out; a wide range means a few points carry r) and the rank (Spearman) correlation. The paper correlates "
-        "with post-PTQ accuracy at 760M (MMR 0.62, kurtosis 0.70, R_L −0.89), so its signs are the reverse of ours."
+        f"From results.parquet kind=fp and kind=cl: delta_val_loss and R_L at scheme={scheme}, mmr and kurtosis "
+        f"at scheme=none; {len(df)} models, FP sweep runs and CL models (colour: optimizer, marker: size).{note} "
+        "Titles: correlations.parquet rows with target=delta_val_loss (the largest size, then pooled over "
+        "sizes): Pearson r [95 % bootstrap CI], its leave-one-out range (LOO: the smallest and largest r with "
+        "one of the plotted models left out; a wide range means a few points carry r) and the rank (Spearman) "
+        "correlation. The paper correlates with "
+        "post-PTQ accuracy at 760M (MMR 0.62, kurtosis 0.70, R_L −0.89), so its signs are the reverse "
+        "of ours."
     )
     return Plot("fig1", title, save(fig, out, "fig1_damage_vs_metrics"), caption)
 
@@ -291,9 +293,10 @@ def fig3_abc(d: StudyData, out: Path) -> Plot:
     cut = (f" Where |C| falls 300× below the smallest R, A or B ({', '.join(below)}) the axis stops there."
            if below else "")
     caption = (
-        f"From runs/<run_id>/ptq/cl/{scheme}/propagation.parquet (per-token norm) of the {len(frames)} CL models at "
-        f"size {size}: rows with kind ≠ linear in forward order ({n_mod} modules in all). |C| is drawn because C can "
-        f"be negative; a log axis hides zeros (A at the first module, and C where it is exactly 0).{cut}"
+        f"From runs/<run_id>/ptq/cl/{scheme}/propagation.parquet (per-token norm) of the "
+        f"{len(frames)} CL models at size {size}: rows "
+        f"with kind ≠ linear in forward order ({n_mod} modules in all). |C| is drawn because C can be "
+        f"negative; a log axis hides zeros (A at the first module, and C where it is exactly 0).{cut}"
     )
     return Plot("fig3", title, save(fig, out, "fig3_abc"), caption)
 
@@ -324,9 +327,10 @@ def fig4_gains(d: StudyData, out: Path) -> Plot:
     gap = (f" G and G₂ are undefined at layer(s) {', '.join(map(str, undefined))}, whose input carries no "
            "quantization error yet (G = A / R_in with R_in = 0), so those panels start later." if undefined else "")
     caption = (
-        f"From runs/<run_id>/ptq/cl/{scheme}/propagation.parquet at size {size}: rows with kind=linear, columns G "
-        f"(per-token norm), G1, G2 (whole-tensor norm, the only one they exist in; {n} layer rows over {len(lin)} "
-        f"optimizers).{gap} Dashed: 1. The paper finds G₁ ≈ 1, Muon with the highest gain and AdamW/Shampoo the "
-        "lowest."
+        f"From runs/<run_id>/ptq/cl/{scheme}/propagation.parquet at size {size}: rows with kind=linear, "
+        "columns G (per-token norm), "
+        f"G1, G2 (whole-tensor norm, the only one they exist in; {n} layer rows over {len(lin)} optimizers).{gap} "
+        "Dashed: 1. The paper finds G₁ ≈ 1, Muon "
+        "with the highest gain and AdamW/Shampoo the lowest."
     )
     return Plot("fig4", title, save(fig, out, "fig4_gains"), caption)

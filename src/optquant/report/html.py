@@ -153,8 +153,9 @@ def page(title: str, header: str, sections: list[Section], spec: dict) -> str:
         body.extend(block_html(b) for b in s.blocks)
         body.append("</section>")
     spec_html = (
-        "<details><summary>study spec "
-        f"(study.json)</summary><pre>{e(json.dumps(spec, indent=2, default=str))}</pre></details>"
+        "<details><summary>study spec (study.json)</summary>"
+        f"<pre>{e(json.dumps(spec, indent=2, default=str))}</pre>"
+        "</details>"
         if spec
         else ""
     )

@@ -99,9 +99,10 @@ def tuning_table(d: StudyData) -> Table:
     rows = tuple((d.label(o), g.replace("+", " + "), f"{share[(o, g, rule)]:.1%}", RULES.get(rule, rule),
                   *(cells[(o, g, rule)].get(s, "–") for s in sizes))
                  for o, g, rule in sorted(cells, key=lambda k: (order.get(k[0], 99), k[1])))
-    caption = ("From best.json: each optimizer's parameter groups as built for its best run at each size (seed "
+    caption = (f"From best.json: each optimizer's parameter groups as built for its best run at each size (seed "
                f"{d.search_seed}), their LR (peak, before the schedule) and rule; share of parameters at the largest "
-               "size. A flag after the LR names a search that ended unbracketed (cap). A fixed step size moving ≥ 1 % "
+               "size. "
+               "A flag after the LR names a search that ended unbracketed (cap). A fixed step size moving ≥ 1 % "
                "of the parameters leaves its optimizer untuned: claims comparing it are not testable.")
     return Table("tuning", title, ("optimizer", "parameter group", "share", "how chosen",
                                    *(d.size_label(s) for s in sizes)), rows, caption)
@@ -177,12 +178,13 @@ def correlation_table(d: StudyData, scheme: str | None = None, target: str = "de
             rows.append((label, str(x.Index), n, _r(x, "pearson"), loo, _r(x, "spearman"),
                          _r(x, "pearson_partial"), _r(x, "spearman_partial")))  # fmt: skip
     caption = (
-        f"From correlations.parquet (scheme={scheme}, target={target}): models are every FP sweep run and Common-Loss "
-        "model with PTQ rows, diverged runs left out; n per cell. Cell: r [95 % bootstrap CI] p. LOO range: the "
-        "smallest and largest Pearson r with one model left out (from results.parquet; a wide range means one or a "
-        "few models carry r). Partial: controlling for the model's FP validation loss (residuals of a linear "
-        "regression, p from t with n − 3 dof). The first size is the headline (within one size, as in the paper); "
-        "pooled mixes sizes whose damage differs and comes last. Δ = quantized − FP, so the paper's accuracy-based "
+        f"From correlations.parquet (scheme={scheme}, target={target}): models are every FP sweep run and "
+        "Common-Loss model with PTQ rows, diverged runs left out; n per cell. Cell: r [95 % bootstrap CI] "
+        "p. LOO range: the smallest and largest Pearson r with one model left out (from results.parquet; a "
+        "wide range means one or a few models carry r). Partial: controlling for the model's FP validation "
+        "loss (residuals of a linear regression, p from t with n − 3 dof). The first size is the headline "
+        "(within one size, as in the paper); pooled "
+        "mixes sizes whose damage differs and comes last. Δ = quantized − FP, so the paper's accuracy-based "
         "signs flip. mmr is per-token (paper.md §6.1), mmr_batchavg the authors' code's batch average."
     )
     cols = ("size", "metric", "n", "Pearson", "Pearson LOO range", "Spearman", "partial Pearson (FP loss)",

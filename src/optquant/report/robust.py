@@ -82,8 +82,9 @@ def seed_table(results: pd.DataFrame, scheme: str, entries: tuple[str, ...]) -> 
                   f"{math.sqrt(2) * c['sd']:.4f}", str(c["units"]), str(c["needed"] or "–"),
                   str(math.ceil(c["needed"] / c["sizes"])) if c["needed"] else "–") for c in plan)
     caption = (f"{StudyDir(Path()).results.name}: the plain best-LR runs' Δ val loss under {scheme} at the Common "
-               f"Loss, at the {plan[0]['sizes'] if plan else 0} largest sizes; seed sd pooled within size. n for −30 "
-               "%: seeds_needed with the sd of a paired difference taken as √2 · seed sd (no noise shared with the "
+               "Loss, at the "
+               f"{plan[0]['sizes'] if plan else 0} largest sizes; seed sd pooled within size. n for −30 %: "
+               "seeds_needed with the sd of a paired difference taken as √2 · seed sd (no noise shared with the "
                f"plain run of the seed; an upper bound where the arm shares its trajectory), Holm over {n_opt} "
                f"optimizers × {len(entries)} entries ({', '.join(entries)}), power {POWER}; seeds = n / sizes.")
     return Table("robust-seeds", f"Seeds to resolve a 30 % damage cut after Holm ({scheme})",
@@ -141,10 +142,11 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
                   f"{fmt(c['cost'], 2)}×", _pct(c['rl']), c["reached"],
                   str(c["needed"] or "–")) for c in cells)
     caption = (f"{ROBUST_FILE}: Δ val loss under {scheme} at the Common Loss, paired over (size, seed) with the same "
-               f"optimizer's plain best-LR run; exact sign-flip p, Holm over the {len(cells)} cells of each column (α "
-               "= 0.05); the smallest attainable p is 2/2ⁿ. Step time ×: mean ratio of mean step seconds. n for −30 "
-               f"%: the (size, seed) units at which a 30 % cut is significant after Holm with power {POWER} "
-               "(seeds_needed: normal approximation with the cell's measured sd of paired differences, at α/cells).")
+               f"optimizer's plain best-LR run; exact sign-flip p, Holm over the {len(cells)} cells of each column "
+               "(α = 0.05); the smallest attainable p is 2/2ⁿ. Step time ×: mean ratio of mean step seconds. "
+               "n for −30 %: the (size, seed) units at which a 30 % cut is significant after Holm with power "
+               f"{POWER} (seeds_needed: normal approximation with the cell's measured sd of paired differences, "
+               "at α/cells).")
     return Table("robust", f"Robustness: change in PTQ damage ({scheme})", cols, rows, caption), cells
 
 

@@ -55,8 +55,9 @@ def table10(d: StudyData) -> Table:
                      f"at bound: {notes}" if notes else ""))  # fmt: skip
     n_count = (d.fits or {}).get("n_count")
     caption = (
-        "From fits.json per_optimizer: A, α, E shared by the optimizer's FP (ρ = 1) and QAT points; ρ_4bit free. "
-        f"Brackets: the interval stored with the fit (method: {next(iter(per.values())).get('method', 'unstated')})."
+        "From fits.json per_optimizer: A, α, E shared by the optimizer's FP (ρ = 1) and QAT points; ρ_4bit "
+        "free. Brackets: the interval stored with the fit (method: "
+        f"{next(iter(per.values())).get('method', 'unstated')})."
         + (f" N counts {n_count} parameters, as the token budget does." if n_count else "")
         + " A ρ is shown as “not identified” when the fit has too few or too close sizes, a parameter at its "
         "bound, or a ρ interval wider than the spread of ρ across optimizers (Table 10c). Each optimizer's ρ "
@@ -141,10 +142,11 @@ def fit_diagnostics_table(d: StudyData) -> Table:
     caption = (
         "From fits.json diagnostics. Residual RMS: of log L̂ − log L, in % (a relative error). Max |corr|: the "
         "largest parameter correlation from the Gauss–Newton covariance (JᵀJ)⁻¹ at the optimum, in the fit's "
-        "coordinates (log A at the geometric-mean N, α, log E, log ρ); cond: condition number of the column-scaled "
-        "Jacobian (large: parameters trade off). ρ_4bit width: the widest ρ_4bit interval of the fit, with the spread "
-        "of the ρ_4bit point estimates across optimizers in brackets; an interval wider than the spread cannot rank "
-        f"the optimizers. A fit needs ≥ {cfg.min_sizes} distinct sizes spanning ≥ {cfg.min_span:g}× in N."
+        "coordinates (log A at the geometric-mean N, α, log E, log ρ); cond: condition number of the "
+        "column-scaled Jacobian (large: parameters trade off). ρ_4bit width: the widest ρ_4bit interval of the "
+        "fit, with the spread of the ρ_4bit point estimates across optimizers in brackets; an interval wider "
+        f"than the spread cannot rank the optimizers. A fit needs ≥ {cfg.min_sizes} distinct sizes spanning "
+        f"≥ {cfg.min_span:g}× in N."
     )
     cols = ("fit", "points", "sizes", "residual RMS (%)", "max |corr|", "cond", "at bound",
             "ρ_4bit width (spread)", "verdict")

@@ -83,8 +83,9 @@ def study_lines(spec: StudySpec, plan: GPUConfig = DEFAULT_GPU) -> list[str]:
     warnings = []
     for (opt, size), b in sorted(budgets.items(), key=lambda kv: (spec.sizes.index(kv[0][1]), kv[0][0])):
         peak = "≥" * (b.state is None) + gb(b.memory)  # a plugin's state is unknown until its run measures it
-        lines.append(f"  {size:>6} {opt:{w}} {b.n_params:>13,} {b.tokens:>15,} {b.flops:>9.3g} {gb(b.weights):>9} "
-                     f"{gb(b.grads):>9} {gb(b.state):>9} {gb(b.activations):>9} {peak:>9} {b.gpu_hours:>9.3g}")
+        lines.append(f"  {size:>6} {opt:{w}} {b.n_params:>13,} {b.tokens:>15,} {b.flops:>9.3g} "
+                     f"{gb(b.weights):>9} {gb(b.grads):>9} {gb(b.state):>9} {gb(b.activations):>9} {peak:>9} "
+                     f"{b.gpu_hours:>9.3g}")
         if not b.fits:
             warnings.append(f"WARNING {size} {opt}: needs {gb(b.memory)} > {gb(acc.memory)}; fix: {b.fix}")
     lines += ["", "jobs per stage (an estimate; bounds where the study decides at run time):"]
