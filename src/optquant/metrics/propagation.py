@@ -64,7 +64,16 @@ from optquant.errors import OptquantError
 from optquant.evaluate import eval_mode, token_ids
 from optquant.metrics.capture import capture
 from optquant.metrics.chain import Link, model_links, quantized_links
-from optquant.metrics.gains import gain_terms, gram, ratio, rows2d, spectral_norm, sym_inner, syrk, top_singular
+from optquant.metrics.gains import (
+    gain_terms,
+    gram,
+    ratio,
+    rows2d,
+    spectral_norm,
+    sym_inner,
+    syrk,
+    top_singular,
+)
 from optquant.quant.ptq import PTQConfig, quantize_
 from optquant.quant.rotate import rotate_model_
 

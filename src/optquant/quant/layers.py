@@ -48,7 +48,9 @@ def linear_layers(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> lis
     def skipped(name: str) -> bool:
         return any(name == s or name.endswith("." + s) for s in skip)
 
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | QuantLinear) and not skipped(n)]
+    return [
+        (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | QuantLinear) and not skipped(n)
+    ]
 
 
 def model_name(name: str) -> str:

@@ -32,7 +32,17 @@ from optquant.report.design import NOT_TESTABLE, needs_text, untestable
 from optquant.report.load import StudyData, fit_interval, fit_rho4
 from optquant.report.paper import CLAIMS, RHO_RANKING, Claim
 from optquant.report.tables import Table
-from optquant.stats import ALPHA, NOT_RESOLVED, PairedTest, Ranking, holm, min_p, rank_with_ties, summarize, verdict
+from optquant.stats import (
+    ALPHA,
+    NOT_RESOLVED,
+    PairedTest,
+    Ranking,
+    holm,
+    min_p,
+    rank_with_ties,
+    summarize,
+    verdict,
+)
 
 G1_TOLERANCE = 0.1  # "G₁ ≈ 1" read as the 95 % interval of mean G₁ inside [1 − tol, 1 + tol]
 A_SHARE = 0.8  # "A dominates at almost all modules" read as A ≥ max(B, |C|) at ≥ 80 % of chain modules
@@ -351,7 +361,8 @@ def _design(d: StudyData, key: str, check: Check) -> Check:
 
 
 def claims_table(d: StudyData) -> Table:
-    rows = tuple((c.text, c.sources, needs_text(c.key), k.how, k.ours, k.verdict) for c, k in check_claims(d).values())
+    rows = tuple((c.text, c.sources, needs_text(c.key), k.how, k.ours, k.verdict)
+                 for c, k in check_claims(d).values())
     caption = (
         "Paper claims from reference/paper.md §1, §6.2, §7.4–7.5, §10, each judged with its p-value or "
         f"interval: supported, contradicted, or {NOT_RESOLVED} when the data cannot tell, and "

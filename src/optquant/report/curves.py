@@ -108,7 +108,8 @@ def fig_lr_sweeps(d: StudyData, out: Path) -> Plot:
                 ax.scatter([lr], [per[lr].mean], marker="*", s=140, color=c, edgecolor="black", zorder=4)
                 first = best.loc[best["seed"] == seed0, "value"]
                 if per[lr].n > 1 and len(first):  # the value the search compared with its neighbours
-                    ax.scatter([lr], [float(first.iloc[0])], marker="o", s=22, facecolor="white", edgecolor=c, zorder=3)
+                    ax.scatter([lr], [float(first.iloc[0])], marker="o", s=22, facecolor="white", edgecolor=c,
+                               zorder=3)
         dv = diverged[(diverged["size"] == s) & (diverged["value"] > 0)]  # a diverged run has no final loss row
         ax.plot(pd.concat([ds["lr"], dv["lr"]]), np.full(len(ds) + len(dv), np.nan), ls="")  # x-range: all LRs
         log_axis(ax, "x", fmt_lr)

@@ -137,7 +137,8 @@ class StudyData:
         of the selected rows, joined by "/"}; cells where no run records the key are absent."""
         out = {}
         for cell, g in self.rows(kind, metric).groupby(["size", "optimizer"]):
-            summaries = (_optional(read_json, self.run(str(r)).summary) or {} for r in g["run_id"].unique())
+            summaries = (_optional(read_json, self.run(str(r)).summary) or {}
+                         for r in g["run_id"].unique())
             values = {str(v) for s in summaries if (v := s.get(key)) is not None}
             if values:
                 out[cell] = "/".join(sorted(values))

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 OPTIMIZERS = ("adamw", "muon", "psgd", "scion", "shampoo", "soap")
-LABELS = {"adamw": "AdamW", "muon": "Muon", "psgd": "PSGD", "scion": "Scion", "shampoo": "Shampoo", "soap": "SOAP"}
+LABELS = {
+    "adamw": "AdamW",
+    "muon": "Muon",
+    "psgd": "PSGD",
+    "scion": "Scion",
+    "shampoo": "Shampoo",
+    "soap": "SOAP",
+}
 
 
 def label(opt: str) -> str:
@@ -119,7 +126,10 @@ TABLE10_FITS = PaperGrid(
     unit="",
     sizes=("rho_4bit", "E"),
     optimizers=OPTIMIZERS,
-    values={"rho_4bit": (0.863, 0.852, 0.739, 0.856, 0.879, 0.822), "E": (1.40, 1.85, 1.39, 1.75, 1.72, 2.22)},
+    values={
+        "rho_4bit": (0.863, 0.852, 0.739, 0.856, 0.879, 0.822),
+        "E": (1.40, 1.85, 1.39, 1.75, 1.72, 2.22),
+    },
     footnote="A and α per optimizer were not recovered; the fitting procedure is unknown.",
     digits={"rho_4bit": 3},
 )
@@ -150,13 +160,29 @@ CLAIMS = (
     Claim("mmr_low", "Muon has the lowest MMR (Fig. 2)", "[ZD], [ZS]"),
     Claim("ptq_least", "Shampoo degrades least under W4A4 RTN PTQ at most sizes", "[ARX], [PN], [ZD]"),
     Claim("ptq_most", "Muon degrades most under PTQ", "[ARX], [PN], [ZD]"),
-    Claim("rl_predicts", "R_L predicts PTQ damage better than MMR or kurtosis (|ρ| 0.89 vs 0.62/0.70)", "[PN], [KR]"),
-    Claim("a_dominates", "A_ℓ (propagated error) dominates B_ℓ and C_ℓ at almost all modules (Fig. 3)", "[PN], [ZD]"),
+    Claim(
+        "rl_predicts",
+        "R_L predicts PTQ damage better than MMR or kurtosis (|ρ| 0.89 vs 0.62/0.70)",
+        "[PN], [KR]",
+    ),
+    Claim(
+        "a_dominates",
+        "A_ℓ (propagated error) dominates B_ℓ and C_ℓ at almost all modules (Fig. 3)",
+        "[PN], [ZD]",
+    ),
     Claim("g1_one", "The spectral ratio G₁ ≈ 1 for all optimizers (Fig. 4)", "[PN], [ZD]"),
-    Claim("gain_rank", "Muon has the highest linear-layer gain; AdamW and Shampoo the lowest (Fig. 4)", "[PN], [ZD]"),
+    Claim(
+        "gain_rank",
+        "Muon has the highest linear-layer gain; AdamW and Shampoo the lowest (Fig. 4)",
+        "[PN], [ZD]",
+    ),
     Claim("qat_least", "Under QAT, Shampoo has the smallest degradation", "[PN], [ZD]"),
     Claim("qat_not_fp", "The best FP optimizer is not the best under QAT", "[ARX], [PN]"),
     Claim("rho_rank", "ρ_4bit: Shampoo > AdamW > Scion > Muon > SOAP > PSGD (Table 10)", "[ZD], [PN]"),
-    Claim("ptq_qat_link", "Optimizers that recover best from PTQ are the most parameter-efficient under QAT", "[PN]"),
+    Claim(
+        "ptq_qat_link",
+        "Optimizers that recover best from PTQ are the most parameter-efficient under QAT",
+        "[PN]",
+    ),
     Claim("shampoo_cost", "Shampoo is slower per step than AdamW (+33 % at 760M, Table 9)", "[ZD]"),
 )

@@ -131,7 +131,8 @@ def cost_table(d: StudyData) -> Table:
         "Newton–Schulz: the dtype Muon's and Scion's orthogonalisation ran in (runs/<run_id>/summary.json "
         "ns_dtype; `auto` picks bf16 only where the hardware multiplies bf16 natively)."
     )
-    cols = ("size", "optimizer", "step time (s)", "× AdamW", "tokens/s", "optimizer state", "× AdamW ", "Newton–Schulz")
+    cols = ("size", "optimizer", "step time (s)", "× AdamW", "tokens/s", "optimizer state", "× AdamW ",
+            "Newton–Schulz")
     return Table("cost", title, cols, tuple(rows), caption)
 
 

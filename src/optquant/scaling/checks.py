@@ -62,7 +62,8 @@ def diagnose(
         correlation=tuple(tuple(float(c) for c in row) for row in corr),
         max_abs_correlation=float(np.nanmax(off)) if off.size and np.isfinite(off).any() else math.nan,
         condition=condition,
-        interval_width={n: float(intervals[n][1] - intervals[n][0]) if n in intervals else math.nan for n in names},
+        interval_width={n: float(intervals[n][1] - intervals[n][0]) if n in intervals else math.nan
+                        for n in names},
         n_sizes=len({q.n_params for q in pts}),
         size_span=float(sizes.max() / sizes.min()),
         resampling=resampling,

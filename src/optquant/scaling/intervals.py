@@ -92,7 +92,9 @@ def resampling_strata(pts: list[ScalingPoint]) -> tuple[str, list[list[np.ndarra
 
 def jackknife(pts: list[ScalingPoint], design: DesignFn, cfg: FitConfig, full: Fit) -> dict[str, tuple]:
     """Leave-one-out jackknife: θ̂ ± z·se, se² = (m−1)/m Σ(θ_i − θ̄)² over the m identifiable refits."""
-    draws = [f for i in range(len(pts)) if (f := refit(pts[:i] + pts[i + 1 :], design, cfg, full)) is not None]
+    draws = [
+        f for i in range(len(pts)) if (f := refit(pts[:i] + pts[i + 1 :], design, cfg, full)) is not None
+    ]
     z = float(norm.ppf((1 + cfg.level) / 2))
 
     def interval(v: np.ndarray, name: str) -> tuple[float, float]:

@@ -53,7 +53,9 @@ def joint_design(ref: str) -> DesignFn:
         cols = [(o, "fp") for o in opts] + sorted(
             {(p.optimizer, p.precision) for p in pts} - {(o, "fp") for o in opts + [ref]}
         )
-        M = np.array([[float(p.optimizer == o and (k == "fp" or p.precision == k)) for o, k in cols] for p in pts])
+        M = np.array(
+            [[float(p.optimizer == o and (k == "fp" or p.precision == k)) for o, k in cols] for p in pts]
+        )
         names = tuple(f"rho_{k}/{o}" for o, k in cols)
         return _make_design(pts, M.reshape(len(pts), len(cols)), names, [k != "fp" for _, k in cols])
 

@@ -213,7 +213,8 @@ def fits(df: pd.DataFrame, interval: str = "bootstrap", map_fn: Callable = map) 
                            bits=int(r.bits) if r.kind == "qat" else 4,
                            seed=None if pd.isna(r.seed) else int(r.seed))
               for r in rows.assign(n_fit=n).itertuples() if math.isfinite(r.value)]
-    out: dict[str, Any] = {"per_optimizer": {}, "joint": None, "errors": {}, "headline": "joint", "n_count": n_count}
+    out: dict[str, Any] = {"per_optimizer": {}, "joint": None, "errors": {}, "headline": "joint",
+                           "n_count": n_count}
     cfg = FitConfig(n_boot=100, interval=interval)
     opts = sorted({p.optimizer for p in points})
     tasks = [("joint", points, cfg)] if points else []
