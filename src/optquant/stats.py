@@ -146,13 +146,9 @@ def paired_test(a: pd.Series, b: pd.Series, *, seed: int = 0) -> PairedTest:
 def holm(pvalues: Sequence[float]) -> np.ndarray:
     """Holm step-down adjusted p-values (monotone, capped at 1), in the input order."""
     p = np.asarray(pvalues, dtype=float)
-    m = len(p)
     order = np.argsort(p, kind="stable")
-    adj = np.empty(m)
-    running = 0.0
-    for k, i in enumerate(order):
-        running = max(running, (m - k) * p[i])
-        adj[i] = min(1.0, running)
+    adj = np.empty(len(p))
+    adj[order] = np.minimum(1.0, np.maximum.accumulate((len(p) - np.arange(len(p))) * p[order]))
     return adj
 
 

@@ -35,8 +35,14 @@ log = logging.getLogger(__name__)
 
 RESULT_COLUMNS = ("size", "n_params", "optimizer", "lr", "seed", "kind", "best_lr", "scheme", "metric", "value")
 PAPER_SCHEME = "w4a4-rtn"  # the paper's PTQ scheme (paper.md §5)
-_COLORS = {"adamw": "#1f77b4", "muon": "#d62728", "psgd": "#9467bd", "scion": "#ff7f0e", "shampoo": "#2ca02c",
-           "soap": "#8c564b"}
+_COLORS = {
+    "adamw": "#1f77b4",
+    "muon": "#d62728",
+    "psgd": "#9467bd",
+    "scion": "#ff7f0e",
+    "shampoo": "#2ca02c",
+    "soap": "#8c564b",
+}
 _EXTRA_COLORS = ("#17becf", "#e377c2", "#7f7f7f", "#bcbd22")
 
 
