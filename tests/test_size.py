@@ -84,7 +84,9 @@ from pathlib import Path
 # model.attn_gate, Qwen's gated attention; the Seeds table's scheme from the arm): 17,256 merged, budget 17,260.
 # The merge's mends (+9: the StudySpec module below the report, study_spec.py, with round_lr; a sweep's bad value names
 # the sweep; a robust entry that does not parse names the entry): 17,265, budget 17,270.
-BUDGET = 17_270
+# Issue 29's lean34 clean-up (−13 on its branch, real removals only: the report page through atomic_write_text,
+# one signed number format, one /proc/cpuinfo reader, Holm on numpy, one logits read-out): 17,252, budget 17,257.
+BUDGET = 17_257
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 
