@@ -24,13 +24,17 @@ import torch
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_flags() -> set[str]:
-    """The CPU feature flags from /proc/cpuinfo (empty where there is no such file)."""
+def _cpuinfo() -> list[str]:
+    """The lines of /proc/cpuinfo (none where there is no such file)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return set()
-    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+        return []
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags from /proc/cpuinfo."""
+    return {flag for line in _cpuinfo() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
 
 
 def fast_bf16(device: torch.device) -> bool:
@@ -49,11 +53,7 @@ def use_bf16(precision: str, device: torch.device) -> bool:
 
 def cpu_name() -> str:
     """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    return next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, glibc's malloc.h

@@ -75,6 +75,16 @@ def hidden_states(model: nn.Module, x: Tensor) -> Tensor | None:
     return h
 
 
+def logit_rows(model: nn.Module, x: Tensor, start: int = 0) -> Iterator[tuple[slice, Tensor]]:
+    """(rows, fp32 logits) of the positions `start`.. of x (B, T), flattened to rows: a chain model's head in
+    chunks (head_rows), any other model's whole output."""
+    h = hidden_states(model, x)
+    if h is not None:
+        return head_rows(model, h[:, start:])
+    logits = model(x)[:, start:].float()
+    return iter([(slice(None), logits.reshape(-1, logits.size(-1)))])
+
+
 def head_rows(model: nn.Module, h: Tensor, budget: int | None = None) -> Iterator[tuple[slice, Tensor]]:
     """(rows, fp32 logits) of the hidden states h (…, D) flattened to rows, in chunks of ≤ `budget` bytes
     (default LOGITS_BYTES)."""
@@ -105,14 +115,8 @@ def val_loss(model: nn.Module, batches: Iterable, autocast: torch.dtype | None =
             x, y = batch if isinstance(batch, tuple | list) else (batch[:, :-1], batch[:, 1:])
             x, y = x.to(device), y.to(device)
             with _autocast(model, autocast):
-                h = hidden_states(model, x)
-                if h is None:
-                    logits = model(x).float()
-                    chunks = [(slice(None), logits.reshape(-1, logits.size(-1)))]
-                else:
-                    chunks = head_rows(model, h)
                 flat = y.reshape(-1)
-                for rows, logits in chunks:
+                for rows, logits in logit_rows(model, x):
                     total += F.cross_entropy(logits, flat[rows], reduction="sum").item()
             count += y.numel()
     if count == 0:
@@ -240,14 +244,9 @@ def continuation_logliks(
             chunk = items[i : i + batch_size]
             x = torch.tensor([it.context + c for it in chunk for c in it.choices], device=device)  # (b·K, m+k)
             target = x[:, m:].reshape(-1)  # positions m-1.. predict tokens m..m+k-1
-            with _autocast(model, autocast):
-                h = hidden_states(model, x[:, :-1])
-                if h is None:
-                    logits = model(x[:, :-1])[:, m - 1 :].float()
-                    chunks = [(slice(None), logits.reshape(-1, logits.size(-1)))]
-                else:  # the head at the k continuation positions only
-                    chunks = head_rows(model, h[:, m - 1 :])
-                picked = [torch.log_softmax(lg, dim=-1).gather(-1, target[rows, None]) for rows, lg in chunks]
+            with _autocast(model, autocast):  # the head at the k continuation positions only
+                picked = [torch.log_softmax(lg, dim=-1).gather(-1, target[rows, None])
+                          for rows, lg in logit_rows(model, x[:, :-1], m - 1)]
             ll = torch.cat(picked).view(len(x), k).sum(-1)
             out.append(ll.double().cpu().view(len(chunk), -1))
     return torch.cat(out).numpy()

@@ -238,7 +238,7 @@ def atomic_write(path: Path, write: Any) -> None:
 
 
 def _write_text(tmp: Path, text: str) -> None:
-    with open(tmp, "x") as f:
+    with open(tmp, "x", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -146,13 +146,9 @@ def paired_test(a: pd.Series, b: pd.Series, *, seed: int = 0) -> PairedTest:
 def holm(pvalues: Sequence[float]) -> np.ndarray:
     """Holm step-down adjusted p-values (monotone, capped at 1), in the input order."""
     p = np.asarray(pvalues, dtype=float)
-    m = len(p)
     order = np.argsort(p, kind="stable")
-    adj = np.empty(m)
-    running = 0.0
-    for k, i in enumerate(order):
-        running = max(running, (m - k) * p[i])
-        adj[i] = min(1.0, running)
+    adj = np.empty(len(p))
+    adj[order] = np.minimum(1.0, np.maximum.accumulate((len(p) - np.arange(len(p))) * p[order]))
     return adj
 
 
@@ -242,7 +238,7 @@ def partial_corr(
     if method not in ("pearson", "spearman"):
         raise OptquantError(f"partial_corr: method must be pearson or spearman, not {method!r}")
     xyz = np.column_stack([np.asarray(v, dtype=float) for v in (x, y, z)])
-    xyz = xyz[np.isfinite(xyz).all(axis=1)]
+    raw = xyz = xyz[np.isfinite(xyz).all(axis=1)]  # raw: unranked, for the bootstrap
     n = len(xyz)
     nan = Corr(math.nan, math.nan, math.nan, math.nan, n)
     if n < 4 or (np.ptp(xyz, axis=0) == 0).any():
@@ -257,8 +253,6 @@ def partial_corr(
     t = r * math.sqrt(dof / max(1e-300, 1 - r * r))
     p = float(2 * stats.t.sf(abs(t), dof))
     rng = np.random.default_rng(seed)
-    raw = np.column_stack([np.asarray(v, dtype=float) for v in (x, y, z)])
-    raw = raw[np.isfinite(raw).all(axis=1)]
     res = raw[rng.integers(0, n, size=(n_boot, n))]  # (B, n, 3)
     if method == "spearman":
         res = stats.rankdata(res, axis=1)

@@ -12,11 +12,10 @@ Left out on purpose: anything that needs a model or a GPU; the report never reco
 from __future__ import annotations
 
 import logging
-import os
 from html import escape
 from pathlib import Path
 
-from optquant.files import open_nofollow
+from optquant.files import atomic_write_text
 from optquant.report import curves, figures, paper
 from optquant.report.bit_plans import bits_section
 from optquant.report.claims import claims_table
@@ -164,11 +163,7 @@ def render_report(study_dir: str | Path) -> Path:
                 robust_section(d.root, fig_dir), *filter(None, [bits_section(d.root, fig_dir)]), timing_section(d.root)]
     text = page(title, _header(d), sections, spec_to_dict(d.spec) if d.spec else {})
     path = d.dir.page
-    tmp = path.with_suffix(".html.tmp")
-    tmp.unlink(missing_ok=True)  # a stale one, or a link planted there: never written through
-    with os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
     log.info("report written to %s", path)
     return path
 

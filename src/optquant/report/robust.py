@@ -21,6 +21,7 @@ train.decay_frac (study.json's settings, else TrainConfig's default).
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ from optquant.files import read_json, read_parquet
 from optquant.quant.robust_config import RECOMMENDED_ARM
 from optquant.report.figures import Plot, grid, missing, save
 from optquant.report.html import Section
+from optquant.report.load import fmt
 from optquant.report.paper import label
 from optquant.report.tables import Table, not_run
 from optquant.runs import StudyDir
@@ -42,6 +44,7 @@ ROBUST_FILE = StudyDir(Path()).robust.name  # the captions name it
 
 GOAL = (-30.0, 1.3)  # the issue's aim: ≥ 30 % less damage at ≤ 1.3× the training cost,
 GOAL_OPTIMIZERS = 4  # significant after Holm for at least four of the six optimizers (issue 32)
+_fmt = partial(fmt, signed=True)
 POWER = 0.8  # the power calculation's target: a 30 % cut is found in 80 % of repeats
 
 
@@ -126,10 +129,6 @@ def _cells(df: pd.DataFrame, scheme: str) -> list[dict]:
     return out
 
 
-def _fmt(x: float, digits: int = 4, signed: bool = True) -> str:
-    return "–" if not math.isfinite(x) else f"{x:{'+' if signed else ''}.{digits}f}"
-
-
 def _pct(x: float) -> str:
     return "–" if not math.isfinite(x) else f"{x:+.1f} %"
 
@@ -143,7 +142,7 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
                   f"{_fmt(c['test'].mean_diff)} [{_fmt(c['test'].lo)}, {_fmt(c['test'].hi)}]",
                   _pct(c['change']), f"{c['test'].p:.3g}", f"{c['test_holm']:.3g}",
                   f"{_fmt(c['fp'].mean_diff)} [{_fmt(c['fp'].lo)}, {_fmt(c['fp'].hi)}]", f"{c['fp_holm']:.3g}",
-                  f"{_fmt(c['cost'], 2, False)}×", _pct(c['rl']), c["reached"],
+                  f"{fmt(c['cost'], 2)}×", _pct(c['rl']), c["reached"],
                   str(c["needed"] or "–")) for c in cells)
     caption = (f"{ROBUST_FILE}: Δ val loss under {scheme} at the Common Loss, paired over (size, seed) with the same "
                f"optimizer's plain best-LR run; exact sign-flip p, Holm over the {len(cells)} cells of each column "
