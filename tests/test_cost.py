@@ -161,7 +161,8 @@ def test_stage_counts_follow_the_spec():
     assert "robust arm" not in by_name and "robust ptq" not in by_name  # no robust entries, no stage
     robust = {s.name.split(" (")[0]: s for s in stages(replace(spec, robust=("ema:0.9", "decay:0")))}
     assert robust["robust arm"].jobs == pairs * seeds * 2 and set(robust["robust arm"].train_runs.values()) == {6}
-    assert robust["robust ptq"].jobs == pairs * seeds * 2 * (len(spec.ptq_schemes) + 1) + pairs * seeds
+    # each seed's plain CL and final models and the 2 entries' (the plain CL models' PTQ read back, still jobs)
+    assert robust["robust ptq"].jobs == pairs * seeds * 3 * (len(spec.ptq_schemes) + 1)
 
 
 def test_cli_dry_runs(capsys):

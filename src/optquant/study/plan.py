@@ -411,9 +411,10 @@ STEPS = (
     Step(robust_stage, (
         Stage("robust", "robust arm (every entry × seed, full budget)", lambda spec, c: _each(
             spec, lambda o: len(spec.seeds) * len(spec.robust))),
-        # every scheme on each robust CL model, the first on every robust and plain final model
+        # every scheme on each robust and plain CL model (the plain ones read back from the PTQ stage, still
+        # jobs of this stage), the first on every robust and plain final model
         Stage("ptq", "robust ptq (≤ bound)", lambda spec, c: {
-            k: c["robust"][k] * (len(spec.ptq_schemes) + 1) + bool(spec.robust) * c["cl"][k] for k in _pairs(spec)}),
+            k: (c["robust"][k] + bool(spec.robust) * c["cl"][k]) * (len(spec.ptq_schemes) + 1) for k in _pairs(spec)}),
     )),
     Step(results_stage),
 )
