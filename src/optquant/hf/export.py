@@ -112,7 +112,6 @@ def check_target(run_dir: Path, out: Path, force: bool) -> None:
 def export_hf(run_dir: Path, out: Path, weights: Weights = "final", force: bool = False) -> Path:
     """Write run_dir's model (+ tokenizer) as an HF LlamaForCausalLM folder at `out`; returns `out`.
     The folder is written beside `out` and renamed into place, so a failure leaves `out` as it was."""
-    transformers = require_transformers()
     out = Path(out)
     check_target(run_dir, out, force)
     cfg, model = load_run_model(run_dir, weights)
@@ -129,6 +128,7 @@ def export_hf(run_dir: Path, out: Path, weights: Weights = "final", force: bool 
         raise OptquantError(f"{run_dir}: model.block=op / model.attn_gate have no LlamaForCausalLM equivalent; "
                             "they are not exported")
     data = run_tokens(run_dir, cfg)
+    transformers = require_transformers()  # after the run's checks: a bad run is named first, with or without it
     hf = transformers.LlamaForCausalLM(llama_config(model, data.eot_id))
     missing, unexpected = hf.load_state_dict(llama_state_dict(model), strict=False)
     if unexpected or [k for k in missing if not (k == "lm_head.weight" and cfg.model.tie_embeddings)]:
