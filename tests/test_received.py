@@ -290,7 +290,7 @@ def tiny_study(tmp_path_factory, corpus):
 
 BAD_SPECS = ["optimizers=", "seeds=", "lr_step=0", "lr_points=0", "lr_extensions=-1", "workers=-1", "workers=100000",
              "lrs.adamw=", "lrs.adamw=-0.001", "sweeps.adamw.optim.weight_decay=z", "seeds=-1", "seeds=0,0",
-             "sizes=femto,femto", "optimizers=adamw,adamw", "name=../../evil", "cl_eval_every=0"]
+             "seeds=4294967296", "sizes=femto,femto", "optimizers=adamw,adamw", "name=../../evil", "cl_eval_every=0"]
 
 
 @pytest.mark.parametrize("dry_run", [True, False])

@@ -16,7 +16,8 @@ Probability = Annotated[float, Meta(gt=0, le=1)]  # (0, 1]
 Count = Annotated[int, Meta(ge=1)]
 Natural = Annotated[int, Meta(ge=0)]
 NonEmpty = Annotated[str, Meta(min_length=1)]
-Seed = Annotated[int, Meta(ge=0, le=2**31 - 1)]  # numpy seeds must fit 32 bits; offsets are added to it
+SEED_MAX = 2**31 - 1  # numpy seeds must fit 32 bits; offsets are added to a run's seed
+Seed = Annotated[int, Meta(ge=0, le=SEED_MAX)]
 
 
 def flag(tp):

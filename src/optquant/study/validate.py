@@ -22,6 +22,7 @@ from optquant.config import MAX_NAME, NAME
 from optquant.errors import OptquantError
 from optquant.optim import OPTIMIZERS, is_optimizer
 from optquant.quant.ptq import SCHEMES
+from optquant.ranges import SEED_MAX
 from optquant.study_spec import StudySpec, lr_grid, robust_settings, run_config, search_seed
 
 REMOTE_WORKERS = 1024  # the stated cap of concurrent jobs for the Slurm executors
@@ -50,6 +51,8 @@ def validate_spec(spec: StudySpec) -> StudySpec:
     _list("seeds", spec.seeds)
     for seed in spec.seeds:
         _at_least("seeds", seed, 0)
+        if seed > SEED_MAX:  # named here, not by the first run it would build (lrs.OPT=… at size …: seed=…)
+            raise OptquantError(f"seeds={seed}: a run's seed is at most {SEED_MAX:,}")
     _at_least("lr_points", spec.lr_points, 1)
     _at_least("lr_extensions", spec.lr_extensions, 0)
     _at_least("cl_eval_every", spec.cl_eval_every, 1)
