@@ -7,7 +7,9 @@ interleaved blocks of `--block` steps on one thread (the study's workers), each 
 robust.begin, forward + backward (the penalty's objective on its steps), the optimizer, robust.end. Reported:
 the median CPU ms per step and its ratio to plain training measured in the same run. late-qat is timed in its
 QuEST phase (strength 1: on from step 0); a run that spends the fraction f of its steps there costs
-1 + f·(ratio − 1) on average, given in the last column for f = 0.2 (the default).
+1 + f·(ratio − 1) on average, given in the last column for f = 0.2 (the default). ema and lawa are timed with
+their updates (ema's after every step, lawa's copy at the run's eval_every); the evaluations of the average
+replace the raw model's, so they cost nothing more.
 
 Run: python benchmarks/robust.py [--presets zepto pico] [--optimizers adamw muon] [--blocks 5] [--block 10]
 """
@@ -35,6 +37,8 @@ VARIANTS: dict[str, RobustConfig | None] = {
     "gain k=1": RobustConfig("gain", 4.0, every=1),
     "gain k=4": RobustConfig("gain", 4.0, every=4),
     "late-qat (on)": RobustConfig("late-qat", 1.0),
+    "ema 0.99": RobustConfig("ema", 0.99),  # an update after every step
+    "lawa k=4": RobustConfig("lawa", 4.0),  # a kept copy at every evaluation (the run's eval_every)
 }
 LATE_FRACTION = 0.2
 
@@ -46,7 +50,7 @@ def measure(preset: str, optimizer: str, blocks: int, block: int) -> dict[str, f
     for name, rc in VARIANTS.items():
         torch.manual_seed(0)
         model = build_model(cfg)
-        robust = None if rc is None else Robust(rc, model, steps=10**6)
+        robust = None if rc is None else Robust(rc, model, steps=10**6, eval_every=cfg.train.eval_every)
         runs[name] = [model, build_optimizers(model, cfg.optim), robust, torch.Generator().manual_seed(2), 0, []]
 
     def steps(name: str, n: int) -> None:

@@ -133,6 +133,33 @@ def test_missing_path_and_empty_corpus(tmp_path: Path):
         read_documents(DataConfig(source=str(tmp_path / "table.csv")))
 
 
+def test_a_raw_source_above_the_memory_bound_is_refused_before_it_is_read(tmp_path: Path, capsys):
+    """A user's raw files are read whole into memory: above RAW_MAX_BYTES on disk the source is refused, naming
+    `optquant data prepare`, before a byte is hashed or read (sparse files: nothing is written to disk)."""
+    from optquant.cli import main
+
+    (tmp_path / "web").mkdir()
+    with open(tmp_path / "web" / "a.txt", "wb") as f:
+        f.truncate(data.RAW_MAX_BYTES // 2)
+    corpus_files = data.corpus_files(DataConfig(source=str(tmp_path / "web")))  # at the bound: accepted
+    assert [f.name for f in corpus_files] == ["a.txt"]
+    with open(tmp_path / "web" / "b.jsonl", "wb") as f:
+        f.truncate(data.RAW_MAX_BYTES // 2 + 1)
+    for source in (tmp_path / "web", tmp_path / "web" / "b.jsonl"):
+        cfg = DataConfig(source=str(source), cache_dir=str(tmp_path / "cache"))
+        if source.is_dir():
+            with pytest.raises(OptquantError, match=r"1\.0 GiB of raw files.*optquant data prepare .*/web --out DIR"):
+                load_tokens(cfg, V)
+        else:  # one file alone is under the bound
+            assert data.corpus_files(cfg)[0].name == "b.jsonl"
+    assert not (tmp_path / "cache").exists()
+    assert main(["train", "--out", str(tmp_path / "runs"), "--quiet", "--set", f"data.source={tmp_path / 'web'}",
+                 "--set", "train.steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "optquant data prepare" in err, err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
 def test_embedded_corpus_is_clean():
     docs = read_documents(DataConfig())
     kinds = [d.split("/")[0] for d, _ in docs]

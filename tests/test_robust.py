@@ -239,9 +239,10 @@ def test_late_qat_is_a_plain_run_resumed_with_quest_on_at_the_switch(nano_cfg, t
     assert whole["final_val_loss"] == qat["final_val_loss"]
 
 
-def _robust_frame(cut: float, fp_cost: float, seeds=range(5)) -> pd.DataFrame:
+def _robust_frame(cut: float, fp_cost: float, seeds=range(5), cl_fp: float | None = None) -> pd.DataFrame:
     """robust.parquet rows for one optimizer, two sizes × seeds: an arm whose CL damage is `cut` × the
-    plain one's and whose final FP loss is `fp_cost` higher, at 1.2× the step time."""
+    plain one's and whose final FP loss is `fp_cost` higher, at 1.2× the step time; with `cl_fp`, the CL models'
+    FP loss too, the arm's that much off the plain one's."""
 
     rows = []
     for size in ("zepto", "pico"):
@@ -254,6 +255,9 @@ def _robust_frame(cut: float, fp_cost: float, seeds=range(5)) -> pd.DataFrame:
                          {**base, "weights": "final", "metric": "delta_val_loss", "value": dmg},
                          {**base, "weights": "final", "metric": "val_loss_fp", "value": fp + 1e-3 * seed},
                          {**base, "weights": "train", "scheme": "none", "metric": "mean_step_seconds", "value": step}]
+                if cl_fp is not None:  # the threshold 3.1, crossed within 1e-3 · seed
+                    off = cl_fp * (arm != "none")
+                    rows.append({**base, "weights": "cl", "metric": "val_loss_fp", "value": 3.1 - 1e-3 * seed + off})
     return pd.DataFrame(rows)
 
 
@@ -292,6 +296,30 @@ def test_goal_is_met_when_four_optimizers_get_a_significant_30_percent_cut(cut_b
         assert "met by penalty:1 (AdamW, Muon, Scion, SOAP)." in text and "closest" not in text
     else:
         assert "not met; closest: AdamW with penalty:1, -40.0 %" in text
+
+
+def test_a_cut_counts_only_at_equal_fp_loss_and_the_goal_is_also_judged_at_the_common_loss_alone():
+    """A CL model below the plain one's FP loss (an average that moves only at evaluations crosses late) is not a
+    comparison at equal FP loss: its cut is not counted and the arm is named. At equal FP loss but with a final FP
+    cost, the goal is not met, and met at the Common Loss alone."""
+    from optquant.report.robust import robustness_table, verdict
+
+    opts = ("adamw", "muon", "scion", "soap", "psgd", "shampoo")
+
+    def study(cl_fp: float, fp_cost: float) -> str:
+        df = pd.concat([_robust_frame(cut=0.6, fp_cost=fp_cost, cl_fp=cl_fp).assign(optimizer=o) for o in opts])
+        return verdict(robustness_table(df, "w4a4-rtn")[1])
+
+    text = study(cl_fp=-0.05, fp_cost=0.0)  # every arm model 0.05 below: no cut counts
+    assert "Goal (≥ 30 % less damage" in text and "): not met." in text and "closest" not in text
+    assert "At the Common Loss alone (the final model's FP cost left out): not met." in text
+    assert "Not at equal FP loss at the Common Loss (p_Holm < 0.05): penalty:1 (AdamW, Muon, PSGD, Scion, " in text
+    text = study(cl_fp=0.0, fp_cost=0.05)  # at equal FP loss; the final model pays
+    assert "6): not met; closest: AdamW with penalty:1" in text
+    assert "(the final model's FP cost left out): met by penalty:1 (AdamW, Muon, PSGD, " in text
+    assert "Not at equal FP loss" not in text
+    table, _ = robustness_table(_robust_frame(cut=0.6, fp_cost=0.0, cl_fp=-0.05), "w4a4-rtn")
+    assert dict(zip(table.columns, table.rows[0], strict=True))["Δ FP loss at the CL [95 % CI]"].startswith("-0.0500 [")
 
 
 def test_seeds_needed_is_the_normal_power_calculation():

@@ -20,8 +20,9 @@ convention of GPT-2-style dumps such as TinyStories); a file without it is one d
 
 A corpus larger than memory is prepared once by `optquant data prepare` (optquant.corpus: token shards
 and a manifest, streamed, in parallel) and memory-mapped from there when `data.source` names its
-directory; the embedded corpus and a user's raw files (read into RAM) go the way above. `check_epochs`
-refuses a run that would repeat its training tokens more than `data.max_epochs` times.
+directory; the embedded corpus and a user's raw files (read into RAM) go the way above, the raw files up to
+RAW_MAX_BYTES on disk (a larger source is refused, naming the prepare command). `check_epochs` refuses a run
+that would repeat its training tokens more than `data.max_epochs` times.
 
 Left out on purpose: document masking in attention, epochs as a sampling unit (sampling is with
 replacement, as in the authors' code).
@@ -64,6 +65,9 @@ ENCODE_CHUNK = 2048  # documents per encode call: bounds the memory held by Enco
 # Non-offensive classic fortune files (the `*-o` variants are offensive and never read).
 FORTUNE_FILES = ("fortunes", "limerick", "startrek", "zippy", "gerrold.limerick")
 SUFFIXES = (".txt", ".jsonl", ".parquet")
+# A raw source is read whole into memory (its text, the BPE trainer's copy, the token ids: a few times its size):
+# above this many bytes on disk it goes through `optquant data prepare`, which streams it in bounded memory.
+RAW_MAX_BYTES = 1 << 30
 
 Document = tuple[str, str]  # (stable id, text)
 
@@ -140,6 +144,11 @@ def _user_files(source: Path) -> list[SourceFile]:
         root, files = source.parent, [source]
     else:
         raise OptquantError(f"{source}: unsupported file type; use one of {', '.join(SUFFIXES)}")
+    size = sum(p.stat().st_size for p in files)
+    if size > RAW_MAX_BYTES:  # checked before the files are hashed or read
+        raise OptquantError(f"data.source={source} is {size / 2**30:.1f} GiB of raw files, more than the "
+                            f"{RAW_MAX_BYTES / 2**30:g} GiB optquant reads into memory; prepare it once, in bounded "
+                            f"memory: optquant data prepare {source} --out DIR, then --set data.source=DIR")
     return [SourceFile("user", p.relative_to(root).as_posix(), p) for p in files]
 
 
