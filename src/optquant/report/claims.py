@@ -31,14 +31,13 @@ from scipy import stats
 from optquant.report.design import NOT_TESTABLE, identified_rhos, needs_text, untestable
 from optquant.report.load import StudyData
 from optquant.report.paper import CLAIMS, RHO_RANKING, Claim
-from optquant.report.tables import Table
+from optquant.report.tables import Table, rank_over
 from optquant.stats import (
     ALPHA,
     NOT_RESOLVED,
     Ranking,
     holm,
     min_p,
-    rank_with_ties,
     summarize,
     verdict,
 )
@@ -62,10 +61,7 @@ def _ranking(d: StudyData, kind: str, metric: str, scheme: str | None = "none", 
              lower_is_better: bool = True) -> Ranking | None:
     """Ranking pooled over sizes: units (size, seed)."""
     df = d.seeds(kind, metric, scheme, best)
-    if df["optimizer"].nunique() < 2:
-        return None
-    values = {o: g.set_index(["size", "seed"])["value"] for o, g in df.groupby("optimizer")}
-    return rank_with_ties(values, lower_is_better=lower_is_better)
+    return rank_over(df, ["size", "seed"], lower_is_better) if df["optimizer"].nunique() > 1 else None
 
 
 def _pair_text(d: StudyData, r: Ranking, a: str, b: str) -> str:
