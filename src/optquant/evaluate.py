@@ -55,13 +55,6 @@ def token_ids(batch) -> Tensor:
     return batch[0] if isinstance(batch, tuple | list) else batch
 
 
-def _autocast(model: nn.Module, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    device = next(model.parameters()).device
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
 LOGITS_BYTES = 64 * 2**20  # fp32 logits per chunk: the activation buffer of the loss read-out
 
 
@@ -114,7 +107,7 @@ def val_loss(model: nn.Module, batches: Iterable, autocast: torch.dtype | None =
         for batch in batches:
             x, y = batch if isinstance(batch, tuple | list) else (batch[:, :-1], batch[:, 1:])
             x, y = x.to(device), y.to(device)
-            with _autocast(model, autocast):
+            with torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext():
                 flat = y.reshape(-1)
                 for rows, logits in logit_rows(model, x):
                     total += F.cross_entropy(logits, flat[rows], reduction="sum").item()
@@ -225,9 +218,7 @@ def mc_scores(lls: np.ndarray, lengths: np.ndarray, gold: np.ndarray) -> tuple[f
 
 
 @torch.no_grad()
-def continuation_logliks(
-    model: nn.Module, items: Sequence[MCItem], *, batch_size: int = 16, autocast: torch.dtype | None = None
-) -> np.ndarray:
+def continuation_logliks(model: nn.Module, items: Sequence[MCItem], *, batch_size: int = 16) -> np.ndarray:
     """(N, K) summed log-probabilities of each choice given its item's context."""
     if not items:
         raise OptquantError("multiple choice: no items")
@@ -244,25 +235,22 @@ def continuation_logliks(
             chunk = items[i : i + batch_size]
             x = torch.tensor([it.context + c for it in chunk for c in it.choices], device=device)  # (b·K, m+k)
             target = x[:, m:].reshape(-1)  # positions m-1.. predict tokens m..m+k-1
-            with _autocast(model, autocast):  # the head at the k continuation positions only
-                picked = [torch.log_softmax(lg, dim=-1).gather(-1, target[rows, None])
-                          for rows, lg in logit_rows(model, x[:, :-1], m - 1)]
+            picked = [torch.log_softmax(lg, dim=-1).gather(-1, target[rows, None])  # the head at the k
+                      for rows, lg in logit_rows(model, x[:, :-1], m - 1)]  # continuation positions only
             ll = torch.cat(picked).view(len(x), k).sum(-1)
             out.append(ll.double().cpu().view(len(chunk), -1))
     return torch.cat(out).numpy()
 
 
-def mc_accuracy(
-    model: nn.Module, items: Sequence[MCItem], *, batch_size: int = 16, autocast: torch.dtype | None = None
-) -> MCResult:
-    lls = continuation_logliks(model, items, batch_size=batch_size, autocast=autocast)
+def mc_accuracy(model: nn.Module, items: Sequence[MCItem], *, batch_size: int = 16) -> MCResult:
+    lls = continuation_logliks(model, items, batch_size=batch_size)
     lengths = np.array([it.lengths for it in items], dtype=np.float64)
     acc, acc_norm = mc_scores(lls, lengths, np.array([it.gold for it in items]))
     return MCResult(acc, acc_norm, len(items))
 
 
-def mc_eval(model: nn.Module, data, cfg: MCConfig = MCConfig(), **kw) -> MCResult:
+def mc_eval(model: nn.Module, data, cfg: MCConfig = MCConfig()) -> MCResult:
     """The built-in task on a TokenData (`.val`, `.tokenizer`, `.eot_id`), drawn from the first MC_TOKENS of
     the validation split (all of the embedded corpus's; a prepared corpus's val split may not fit in memory)."""
     items = build_mc_items(data.val[:MC_TOKENS], cfg, eot_id=data.eot_id, tokenizer=data.tokenizer)
-    return mc_accuracy(model, items, **kw)
+    return mc_accuracy(model, items)

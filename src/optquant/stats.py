@@ -160,14 +160,18 @@ class Ranking:
     alpha: float
     lower_is_better: bool = True
 
+    def test(self, a: str, b: str) -> tuple[PairedTest, float] | None:
+        """The paired test of a − b (a pair stored as (b, a) turned round) with its Holm p, or None."""
+        if (a, b) in self.pairs or (b, a) not in self.pairs:
+            return self.pairs.get((a, b))
+        t, p_adj = self.pairs[(b, a)]
+        return PairedTest(-t.mean_diff, t.p, -t.hi, -t.lo, t.n, t.min_p), p_adj
+
     def better(self, a: str, b: str) -> bool:
         """Is `a` significantly better than `b` (after Holm)?"""
-        key, sign = ((a, b), 1.0) if (a, b) in self.pairs else ((b, a), -1.0)
-        if key not in self.pairs:
+        if (got := self.test(a, b)) is None:
             return False
-        t, p_adj = self.pairs[key]
-        direction = 1.0 if self.lower_is_better else -1.0
-        return p_adj < self.alpha and sign * t.mean_diff * direction < 0
+        return got[1] < self.alpha and got[0].mean_diff * (1.0 if self.lower_is_better else -1.0) < 0
 
     def tied(self, o: str) -> bool:
         return sum(r == self.rank[o] for r in self.rank.values()) > 1

@@ -131,12 +131,21 @@ HF_ONLY = {"data": "embedded", "tokenizer": None, "tokens": None, "calib_tokens"
            "dtype": "auto", "out": None}  # the --hf flags, at their defaults
 
 
-def _run_only(args: argparse.Namespace, what: str) -> None:
-    """With a run directory, an --hf flag would be ignored: refused instead."""
+def _run_dir(args: argparse.Namespace, what: str) -> Path:
+    """The run directory `what` works on: one given, holding a run's config.json, and no --hf flag beside it
+    (it would be ignored: refused instead)."""
+    from optquant.runs import RunDir
+
+    if args.run_dir is None:
+        raise OptquantError(f"{what}: give a run directory (from optquant train) or --hf PATH")
     given = [f"--{k.replace('_', '-')}" for k, default in HF_ONLY.items() if getattr(args, k) != default]
     if given:
         raise OptquantError(f"{what}: {', '.join(given)} {'is' if len(given) == 1 else 'are'} for --hf only (a run "
                             "has its own data, window and output directory)")
+    if not RunDir(args.run_dir).config.is_file():
+        raise OptquantError(f"{args.run_dir}: not a run directory (no config.json; give a directory made by "
+                            "optquant train)")
+    return args.run_dir
 
 
 def _seq_len(args: argparse.Namespace) -> int:
@@ -180,19 +189,13 @@ def _hf_quant(args: argparse.Namespace, what: str) -> int:
 def _quantized(args: argparse.Namespace) -> int:
     """`optquant ptq` (damage: summary.json) or `optquant analyze` (outliers + ABC) of one run or HF model."""
     from optquant.ptq_stage import out_dir, ptq_analysis, ptq_damage
-    from optquant.runs import PTQ_FILES, RunDir, locked
+    from optquant.runs import PTQ_FILES, locked
 
     what = args.command
     if args.hf is not None:
         return _hf_quant(args, what)
-    if args.run_dir is None:
-        raise OptquantError(f"{what}: give a run directory (from optquant train) or --hf PATH")
     qcfg, acfg = _ptq_config(args), _analysis_config(args)
-    _run_only(args, what)
-    if not RunDir(args.run_dir).config.is_file():
-        raise OptquantError(f"{args.run_dir}: not a run directory (no config.json; give a directory made by "
-                            "optquant train)")
-    out = out_dir(args.run_dir, acfg, qcfg.name)
+    out = out_dir(_run_dir(args, what), acfg, qcfg.name)
     with locked(out, wait=False):
         result = (ptq_damage if what == "ptq" else ptq_analysis)(args.run_dir, qcfg, acfg)
     print(json.dumps(result, indent=2))
@@ -227,15 +230,8 @@ def _bits(args: argparse.Namespace) -> int:
                        tokens=args.tokens, calib_tokens=args.calib_tokens, dtype=args.dtype)
         cfg, model, data = _setup(src, acfg, lazy=args.score == "abc" and qcfg.rotation == "none")
         run = LoadedRun.of(cfg, model, data, owned=True)
-    elif args.run_dir is None:
-        raise OptquantError("bits: give a run directory (from optquant train) or --hf PATH")
     else:
-        from optquant.runs import RunDir
-
-        _run_only(args, "bits")
-        if not RunDir(args.run_dir).config.is_file():
-            raise OptquantError(f"{args.run_dir}: not a run directory (no config.json)")
-        run = LoadedRun(args.run_dir, acfg.weights)
+        run = LoadedRun(_run_dir(args, "bits"), acfg.weights)
     record = model_bits(run, qcfg, acfg, args.avg_bits, choices, args.score)
     atomic_write_json(args.plan_out, record)
     bits = {m: v["bits"] for m, v in record["modules"].items()}

@@ -57,12 +57,7 @@ def load_hf_model(path: Path, dtype: str = "auto"):
     (a missing, unexpected or differently shaped tensor) are an error: transformers would initialise the
     missing ones at random and only say so in a log."""
     transformers = require_transformers()
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise OptquantError(f"{path}: not a Hugging Face model folder (no config.json)")
     config = check_hf_config(path)
-    if dtype not in DTYPES:
-        raise OptquantError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, local_files_only=True, output_loading_info=True)
@@ -85,13 +80,13 @@ def load_hf(path: Path, seq_len: int = 128, dtype: str = "auto", lazy: bool = Fa
 
     if type(seq_len) is not int or seq_len < 2:
         raise OptquantError(f"--seq-len {seq_len}: must be at least 2 tokens")
+    if not (Path(path) / "config.json").is_file():
+        raise OptquantError(f"{path}: not a Hugging Face model folder (no config.json)")
+    if dtype not in DTYPES:
+        raise OptquantError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if lazy:
         from optquant.hf.lazy import load_lazy
 
-        if not (Path(path) / "config.json").is_file():
-            raise OptquantError(f"{path}: not a Hugging Face model folder (no config.json)")
-        if dtype not in DTYPES:
-            raise OptquantError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
         return load_lazy(Path(path), dtype, seq_len)
     return HFLM(load_hf_model(path, dtype), seq_len=seq_len).eval()
 

@@ -235,18 +235,19 @@ def _group(bits: int, targets: list[str], a_bits: int, grid: str, group_size: in
             "input_activations": acts}
 
 
+def _by_bits(bits: dict[str, int], names: dict[str, str] | None) -> dict[int, list[str]]:
+    """{bits: the quantized modules' exported names, sorted} per bit width below 16, widths ascending."""
+    return {b: sorted((names or {}).get(m, m) for m, x in bits.items() if x == b) for b in sorted(set(bits.values()))
+            if b < OFF}
+
+
 def llmcompressor_recipe(bits: dict[str, int], ptq: dict, names: dict[str, str] | None = None) -> dict:
     """An llm-compressor recipe (as the dict of its YAML): one config group per bit width, targets the modules'
     names (`names` maps ours to the exported model's, e.g. optquant.hf.export), GPTQ or RTN (QuantizationModifier).
     Weights symmetric int per channel (or group); activations, when quantized, dynamic per token. Modules at
     16 bits are left out (llm-compressor leaves unmatched linears in FP), as is the head (`ignore`)."""
-    names = names or {}
-    by_bits: dict[int, list[str]] = {}
-    for m, b in bits.items():
-        if b < OFF:
-            by_bits.setdefault(b, []).append(names.get(m, m))
-    groups = {f"group_w{b}": _group(b, sorted(ts), ptq.get("a_bits", OFF), ptq.get("grid", "sym"),
-                                    ptq.get("w_group_size", 0)) for b, ts in sorted(by_bits.items())}
+    groups = {f"group_w{b}": _group(b, ts, ptq.get("a_bits", OFF), ptq.get("grid", "sym"), ptq.get("w_group_size", 0))
+              for b, ts in _by_bits(bits, names).items()}
     modifier = "GPTQModifier" if ptq.get("method") == "gptq" else "QuantizationModifier"
     return {"quant_stage": {"quant_modifiers": {modifier: {"ignore": ["lm_head"], "config_groups": groups}}}}
 
@@ -254,14 +255,9 @@ def llmcompressor_recipe(bits: dict[str, int], ptq: dict, names: dict[str, str] 
 def torchao_snippet(bits: dict[str, int], names: dict[str, str] | None = None) -> str:
     """Python that applies the plan's weight bits with torchao's quantize_ and a filter_fn per bit width: weights
     only, on --grid full's scales (torchao rounds a row's −absmax to −7, not −8: tests/test_bit_plan.py)."""
-    names = names or {}
-    by_bits: dict[int, list[str]] = {}
-    for m, b in bits.items():
-        if b < OFF:
-            by_bits.setdefault(b, []).append(names.get(m, m))
     lines = ["from torchao.quantization import quantize_, Int8WeightOnlyConfig, IntxWeightOnlyConfig",
              "from torchao.quantization.granularity import PerAxis", "import torch", "", "PLAN = {"]
-    lines += [f"    {b}: {sorted(ts)!r}," for b, ts in sorted(by_bits.items())]
+    lines += [f"    {b}: {ts!r}," for b, ts in _by_bits(bits, names).items()]
     lines += ["}", "", "def apply_plan(model):", "    for bits, names in PLAN.items():",
               "        config = Int8WeightOnlyConfig() if bits == 8 else IntxWeightOnlyConfig(",
               "            weight_dtype=getattr(torch, f'int{bits}'), granularity=PerAxis(0))",

@@ -57,14 +57,10 @@ def nv_tensor_scale(amax_tensor: Tensor) -> Tensor:
     return torch.where(s > 0, s, torch.ones_like(s))
 
 
-def e4m3_round(x: Tensor) -> Tensor:
-    """Nearest FP8 E4M3 (OCP "fn" variant) value, ties to even, saturated at ±448, as fp32."""
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
-
-
 def nv_block_scale(amax_block: Tensor, tensor_scale: Tensor) -> Tensor:
-    """NVFP4 E4M3 block scale (as fp32) for block maxima `amax_block` under a per-tensor scale."""
-    return e4m3_round(amax_block / E2M1_MAX / tensor_scale)
+    """NVFP4 E4M3 block scale (as fp32) for block maxima `amax_block` under a per-tensor scale: the nearest FP8
+    E4M3 (OCP "fn" variant) value, ties to even, saturated at ±448."""
+    return (amax_block / E2M1_MAX / tensor_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
 
 
 def fp4_params(x: Tensor, fmt: str, amax_tensor: Tensor | None = None) -> Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,12 +22,9 @@ def largest_pow2_divisor(n: int, cap: int | None = None) -> int:
 
 @functools.lru_cache(maxsize=32)
 def _hadamard64(n: int) -> Tensor:
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {n}")
-    H = torch.ones(1, 1, dtype=torch.float64)
-    while H.shape[0] < n:
-        H = torch.cat((torch.cat((H, H), 1), torch.cat((H, -H), 1)), 0)
-    return H / H.shape[0] ** 0.5
+    from scipy.linalg import hadamard as sylvester  # [[H, H], [H, −H]]; a ValueError unless n is a power of two
+
+    return torch.from_numpy(sylvester(n, dtype=np.float64)) / n**0.5
 
 
 def hadamard(n: int, dtype: torch.dtype = torch.float32) -> Tensor:

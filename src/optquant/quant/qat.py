@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from optquant.errors import OptquantError
 from optquant.quant.hadamard import largest_pow2_divisor, rotate_blocks
 from optquant.quant.layers import linear_layers, replace_module  # one layer-swapping helper for PTQ and QAT
-from optquant.quant.primitives import OFF, QuantSpec, int_params, round_to_grid
+from optquant.quant.primitives import OFF, QuantSpec, grid_range, int_params, round_to_grid
 from optquant.quant.qat_config import QAT_METHODS, QATConfig
 
 log = logging.getLogger(__name__)
@@ -251,11 +251,9 @@ def int_codes(x: Tensor, method: str, bits: int, step: Tensor | None = None) -> 
         s = gaussian_clip_scale(bits) * x.square().mean(-1, keepdim=True).sqrt() + 1e-8
         scale = s / (n - 1)
         code = (2 * torch.floor(x / (2 * scale)) + 1).clamp(1 - n, n - 1)
-    elif method == "ste":
-        qmax = 2 ** (bits - 1) - 1
-        amax = x.abs().amax(-1, keepdim=True)
-        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-        code = torch.round(x / scale).clamp(-qmax, qmax)
+    elif method == "ste":  # the grid and scale ste_quantize rounds to
+        scale = int_params(x, bits, "sym")[0]
+        code = torch.round(x / scale).clamp(*grid_range(bits, "sym"))
     else:
         scale = step.detach().clamp_min(1e-8).to(x.dtype)
         scale = scale.reshape(-1, 1) if scale.dim() else scale.reshape(1)

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from optquant.errors import OptquantError
+from optquant.evaluate import hidden_states
 from optquant.quant.layers import linear_layers
 from optquant.quant.qat import QATLinear, prepare_qat_, ste_quantize
 from optquant.quant.qat_config import QATConfig
@@ -111,10 +112,7 @@ def head_relative_error(W: Tensor, n: Tensor, nq: Tensor) -> Tensor:
 def final_hidden(model: nn.Module, x: Tensor) -> Tensor:
     """norm(h_L): the LM's forward up to its head, walked along `model.sublayers()` (the same operations
     in the same order as LM.forward, so lm_head of it is bitwise the model's logits)."""
-    h = model.embed(x)
-    for sub in model.sublayers():
-        h = sub(h)
-    return model.norm(h)
+    return model.norm(hidden_states(model, x))
 
 
 def penalty_terms(model: nn.Module, x: Tensor, y: Tensor, bits: int,

@@ -33,7 +33,7 @@ from optquant.report.tables import (
     table3,
     table3_schemes,
     table4,
-    task_tables,
+    task_table,
     to_markdown,
 )
 from optquant.report.timings import timing_section
@@ -78,8 +78,8 @@ def _ptq_sections(d: StudyData, fig_dir: Path) -> list[Section]:
         "paper-corr", "Fig. 1 correlations at 760M (vs post-PTQ accuracy)", paper.CORRELATIONS_760M,
         paper.CORRELATIONS_SOURCES, "ρ",
     )  # fmt: skip
-    ptq = ((table3(d, scheme), paper_table(paper.TABLE3_PTQ_ACC, "paper-t3")), *task_tables(d, scheme),
-           table3_schemes(d), *other, cl_table(d))
+    ptq = ((table3(d, scheme), paper_table(paper.TABLE3_PTQ_ACC, "paper-t3")),
+           *(task_table(d, t, scheme) for t in d.tasks()), table3_schemes(d), *other, cl_table(d))
     other_corr = tuple(correlation_table(d, s) for s in d.schemes("cl") if s != scheme)
     outliers = (
         (correlation_table(d, scheme), corr_paper),
@@ -171,9 +171,10 @@ def render_report(study_dir: str | Path) -> Path:
 def headline_tables(d: StudyData) -> list:
     """The tables the README pastes, in order; the HTML page shows the same `Table` objects."""
     scheme = d.paper_scheme() or "w4a4-rtn"
-    return [table2(d), tuning_table(d), lr_status_table(d), table3(d, scheme), *task_tables(d, scheme),
-            table3_schemes(d), table4(d), outlier_table(d), correlation_table(d, scheme), cl_table(d), table10(d),
-            table10_joint(d), fit_diagnostics_table(d), claims_table(d)]
+    return [table2(d), tuning_table(d), lr_status_table(d), table3(d, scheme),
+            *(task_table(d, t, scheme) for t in d.tasks()), table3_schemes(d), table4(d), outlier_table(d),
+            correlation_table(d, scheme), cl_table(d), table10(d), table10_joint(d), fit_diagnostics_table(d),
+            claims_table(d)]
 
 
 def report_markdown(study_dir: str | Path) -> str:

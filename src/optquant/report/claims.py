@@ -28,18 +28,16 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-from optquant.report.design import NOT_TESTABLE, needs_text, untestable
-from optquant.report.load import StudyData, fit_interval, fit_rho4
+from optquant.report.design import NOT_TESTABLE, identified_rhos, needs_text, untestable
+from optquant.report.load import StudyData
 from optquant.report.paper import CLAIMS, RHO_RANKING, Claim
-from optquant.report.tables import Table
+from optquant.report.tables import Table, rank_over
 from optquant.stats import (
     ALPHA,
     NOT_RESOLVED,
-    PairedTest,
     Ranking,
     holm,
     min_p,
-    rank_with_ties,
     summarize,
     verdict,
 )
@@ -63,17 +61,12 @@ def _ranking(d: StudyData, kind: str, metric: str, scheme: str | None = "none", 
              lower_is_better: bool = True) -> Ranking | None:
     """Ranking pooled over sizes: units (size, seed)."""
     df = d.seeds(kind, metric, scheme, best)
-    if df["optimizer"].nunique() < 2:
-        return None
-    values = {o: g.set_index(["size", "seed"])["value"] for o, g in df.groupby("optimizer")}
-    return rank_with_ties(values, lower_is_better=lower_is_better)
+    return rank_over(df, ["size", "seed"], lower_is_better) if df["optimizer"].nunique() > 1 else None
 
 
 def _pair_text(d: StudyData, r: Ranking, a: str, b: str) -> str:
-    key, sign = ((a, b), 1.0) if (a, b) in r.pairs else ((b, a), -1.0)
-    t, p = r.pairs[key]
-    lo, hi = sorted((sign * t.lo, sign * t.hi))
-    return f"{d.label(a)} − {d.label(b)} = {sign * t.mean_diff:+.3g} [{lo:+.3g}, {hi:+.3g}], p_Holm={p:.2g}"
+    t, p = r.test(a, b)
+    return f"{d.label(a)} − {d.label(b)} = {t.mean_diff:+.3g} [{t.lo:+.3g}, {t.hi:+.3g}], p_Holm={p:.2g}"
 
 
 def _best_of(d: StudyData, r: Ranking | None, target: str, how: str, what: str) -> Check:
@@ -85,7 +78,7 @@ def _best_of(d: StudyData, r: Ranking | None, target: str, how: str, what: str) 
     if target not in r.rank:
         return _na(how, f"{d.label(target)} not in this study")
     others = [o for o in r.rank if o != target]
-    tests = {o: r.pairs[(target, o)][0] if (target, o) in r.pairs else _flip(r.pairs[(o, target)][0]) for o in others}
+    tests = {o: r.test(target, o)[0] for o in others}
     adj = dict(zip(others, holm([tests[o].p for o in others]), strict=True))
     sign = 1.0 if r.lower_is_better else -1.0
     better = {o: adj[o] < ALPHA and sign * tests[o].mean_diff < 0 for o in others}
@@ -94,10 +87,6 @@ def _best_of(d: StudyData, r: Ranking | None, target: str, how: str, what: str) 
                      f"{tests[o].hi:+.3g}], p_Holm={adj[o]:.2g}" for o in others)  # fmt: skip
     ours += f" (n={r.n_units} size×seed units, smallest attainable p {min_p(r.n_units):.2g})"
     return Check(how, ours, verdict(all(better.values()), any(worse.values())))
-
-
-def _flip(t: PairedTest) -> PairedTest:
-    return PairedTest(-t.mean_diff, t.p, -t.hi, -t.lo, t.n, t.min_p)
 
 
 def _rank_how(what: str) -> str:
@@ -255,28 +244,11 @@ def _qat_not_fp(d: StudyData) -> Check:
     return Check(how, ours, verdict(bool(beaten), _sole_best(qat) == best))
 
 
-def _rho_iv(d: StudyData) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
-    """The headline (joint-fit) ρ_4bit with its interval for every optimizer whose ρ is identified, and
-    the optimizers whose ρ is not (optquant.scaling's verdict: a bound, too few sizes, or an interval wider
-    than the spread across optimizers). A ρ that is not identified is not evidence either way."""
-    joint = (d.fits or {}).get("joint") or {}
-    reasons = (joint.get("diagnostics") or {}).get("reasons") or {}
-    out, unidentified = {}, []
-    for o, r in (joint.get("rho") or {}).items():
-        rho = fit_rho4(r)
-        if "fit" in reasons or f"rho_4bit/{o}" in reasons or not math.isfinite(rho):
-            unidentified.append(o)
-            continue
-        lo, hi = fit_interval(joint.get("intervals"), f"rho_4bit/{o}")
-        out[o] = (rho, lo, hi)
-    return out, unidentified
-
-
 def _rho_rank(d: StudyData) -> Check:
     how = ("joint-fit ρ_4bit order vs the paper's, over the optimizers whose ρ is identified: supported if "
            "every adjacent pair in the paper's order has disjoint intervals in that order, contradicted if any "
            "pair has disjoint intervals in the reverse order")
-    rho, unidentified = _rho_iv(d)
+    rho, unidentified = identified_rhos(d)
     rho = {o: v for o, v in rho.items() if o in RHO_RANKING}
     missing = f"; not identified: {', '.join(d.label(o) for o in unidentified)}" if unidentified else ""
     if len(rho) < 2:
@@ -292,7 +264,7 @@ def _rho_rank(d: StudyData) -> Check:
 
 def _ptq_qat_link(d: StudyData) -> Check:
     how = "Spearman over optimizers of mean Δ val loss (PTQ, CL models, all sizes) vs ρ_4bit; expected negative"
-    (rho, _), scheme = _rho_iv(d), d.paper_scheme()
+    (rho, _), scheme = identified_rhos(d), d.paper_scheme()
     df = d.seeds("cl", "delta_val_loss", scheme) if scheme else None
     if df is None or df.empty:
         return _na(how, "no PTQ damage rows")

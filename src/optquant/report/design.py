@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from optquant.report.load import StudyData, fit_rho4
+from optquant.report.load import StudyData, fit_interval, fit_rho4
 
 NOT_TESTABLE = "not testable with this design"
 MIN_SHARE = 0.01  # a group moving at least this share of the parameters must have a tuned step size
@@ -67,11 +67,25 @@ def depth(d: StudyData) -> str | None:
     return None
 
 
-def identified_rho(d: StudyData) -> str | None:
+def identified_rhos(d: StudyData) -> tuple[dict[str, tuple[float, float, float]], list[str]]:
+    """The headline (joint-fit) ρ_4bit with its interval for every optimizer whose ρ is identified, and
+    the optimizers whose ρ is not (optquant.scaling's verdict: a bound, too few sizes, or an interval wider
+    than the spread across optimizers). A ρ that is not identified is not evidence either way."""
     joint = (d.fits or {}).get("joint") or {}
     reasons = (joint.get("diagnostics") or {}).get("reasons") or {}
-    ok = [o for o, r in (joint.get("rho") or {}).items()
-          if "fit" not in reasons and f"rho_4bit/{o}" not in reasons and math.isfinite(fit_rho4(r))]
+    out, unidentified = {}, []
+    for o, r in (joint.get("rho") or {}).items():
+        rho = fit_rho4(r)
+        if "fit" in reasons or f"rho_4bit/{o}" in reasons or not math.isfinite(rho):
+            unidentified.append(o)
+            continue
+        lo, hi = fit_interval(joint.get("intervals"), f"rho_4bit/{o}")
+        out[o] = (rho, lo, hi)
+    return out, unidentified
+
+
+def identified_rho(d: StudyData) -> str | None:
+    ok, _ = identified_rhos(d)
     if len(ok) < MIN_RHO:
         return f"{len(ok)} identified ρ_4bit (an ordering needs ≥ {MIN_RHO})"
     return None

@@ -88,13 +88,6 @@ class StudyData:
             return pd.DataFrame(columns=["size", "optimizer", "seed", "value"])
         return df.groupby(["size", "optimizer", "seed"], as_index=False)["value"].mean()
 
-    def has(self, kind: str, metric: str | None = None) -> bool:
-        r = self.results
-        m = r["kind"] == kind
-        if metric is not None:
-            m &= r["metric"] == metric
-        return bool(m.any())
-
     def schemes(self, kind: str = "cl") -> tuple[str, ...]:
         s = set(self.results.loc[self.results["kind"] == kind, "scheme"]) - {"none"}
         return tuple(sorted(s, key=lambda x: (x != PAPER_SCHEME, x)))

@@ -71,17 +71,17 @@ class Quantity:
     scale: float = 1.0  # shown as value × scale (100: a fraction as %)
 
 
+def rank_over(df: pd.DataFrame, units: str | list[str], lower_is_better: bool = True) -> Ranking:
+    """The optimizers of a `StudyData.seeds` frame ranked with ties, paired over `units`: "seed" within a size,
+    ["size", "seed"] pooled over sizes as blocks."""
+    return rank_with_ties({o: x.set_index(units)["value"] for o, x in df.groupby("optimizer")},
+                          lower_is_better=lower_is_better)
+
+
 def _ranks(df: pd.DataFrame, q: Quantity) -> tuple[dict[str, Ranking], Ranking | None]:
     """Per-size rankings (units: seeds) and the pooled one (units: (size, seed) blocks)."""
-    per = {}
-    for s, g in df.groupby("size"):
-        per[str(s)] = rank_with_ties({o: x.set_index("seed")["value"] for o, x in g.groupby("optimizer")},
-                                     lower_is_better=q.lower_is_better)  # fmt: skip
-    pooled = None
-    if df["size"].nunique() > 1:
-        pooled = rank_with_ties({o: x.set_index(["size", "seed"])["value"] for o, x in df.groupby("optimizer")},
-                                lower_is_better=q.lower_is_better)  # fmt: skip
-    return per, pooled
+    per = {str(s): rank_over(g, "seed", q.lower_is_better) for s, g in df.groupby("size")}
+    return per, rank_over(df, ["size", "seed"], q.lower_is_better) if df["size"].nunique() > 1 else None
 
 
 def _rank_note(per: dict[str, Ranking], pooled: Ranking | None) -> str:
@@ -178,7 +178,7 @@ def table3(d: StudyData, scheme: str) -> Table:
     title = f"Table 3 — Common-Loss models under PTQ scheme {scheme}: Δ validation loss"
     qs = [Quantity("Δ val loss", "cl", "delta_val_loss", scheme, signed=True)]
     src = f"kind=cl, scheme={scheme}, Δ = quantized − FP of each CL model (one per seed)"
-    if d.has("cl", "delta_acc_norm"):
+    if len(d.rows("cl", "delta_acc_norm", scheme=None)):
         qs.append(Quantity("Δ acc_norm", "cl", "delta_acc_norm", scheme, lower_is_better=False, signed=True))
     elif d.tasks():  # the lm-eval tasks' accuracy drop (their mean, with several), in points
         task = d.tasks()[0]
@@ -203,11 +203,6 @@ def task_table(d: StudyData, task: str, scheme: str) -> Table:
            f"delta_acc_norm/{task} = quantized − FP, all × 100; lm-eval zero-shot, items per model {items}; "
            f"unnormalised accuracy: acc/{task}")
     return seed_table(d, f"table3c-{task}", title, qs, src)
-
-
-def task_tables(d: StudyData, scheme: str) -> list[Table]:
-    """One Table 3c per lm-eval task the study ran ("avg" first); none without tasks."""
-    return [task_table(d, t, scheme) for t in d.tasks()]
 
 
 def _items(d: StudyData, task: str) -> str:
@@ -241,7 +236,7 @@ def outlier_table(d: StudyData) -> Table:
     title = "MMR and R_L of the Common-Loss models"
     scheme = d.paper_scheme()
     qs = [Quantity("MMR per-token", "cl", "mmr", digits=2)]
-    if d.has("cl", "mmr_batchavg"):
+    if len(d.rows("cl", "mmr_batchavg", scheme=None)):
         qs.append(Quantity("MMR batch-avg", "cl", "mmr_batchavg", digits=2))
     if scheme:
         qs.append(Quantity(f"R_L ({scheme})", "cl", "R_L", scheme))
