@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from optquant.config import RunConfig
-from optquant.files import atomic_write_json, atomic_write_text
+from optquant.files import atomic_write_json, atomic_write_text, write_parquet
 from optquant.harness import HarnessConfig, task_manager
 from optquant.ptq_stage import AnalysisConfig, scheme_config
 from optquant.runs import RunDir, StudyDir, read_metrics, run_dir
@@ -222,13 +222,11 @@ def ptq_stage(study: Study, state: State) -> None:
     the sweep schemes, outliers and ABC on the final model of every finished FP run (val loss only), for
     correlations within each size."""
     spec = study.spec
-    mc = mc_items(spec)
-    jobs: list[Job] = [ptq_job(path, scheme, "cl", mc, spec.eval) for path in state.cl_paths.values()
-                       for scheme in spec.ptq_schemes]
     finished = [study.runs / s["run_id"] for search in state.found.values() for sums in search.lrs.values()
                 for s in sums
                 if s.get("status") == "done"]
-    jobs += [ptq_job(path, scheme, "final", 0) for path in finished for scheme in spec.sweep_ptq_schemes]
+    jobs: list[Job] = [*ptq_jobs(spec, state.cl_paths.values(), "cl", spec.ptq_schemes),
+                       *ptq_jobs(spec, finished, "final", spec.sweep_ptq_schemes)]
     if not spec.sweep_ptq_schemes:
         jobs += [OutliersJob(path) for path in finished]
     study.run("ptq + analysis", jobs)
@@ -252,15 +250,13 @@ def bits_stage(study: Study, state: State) -> None:
         atomic_write_json(study.dir.bits / f"{path.name}.json", record | run)
 
 
-def mc_items(spec: StudySpec) -> int:
-    """Items of the built-in multiple-choice task per CL model (none when lm-eval tasks score them)."""
-    return 0 if spec.eval.tasks else 200 if spec.name != "smoke" else 20
-
-
-def ptq_job(path: Path, scheme: str, weights: str, mc_items: int, harness: HarnessConfig | None = None) -> PTQJob:
-    """One scheme on a run's final or CL weights; lm-eval tasks only when `harness` names some."""
-    tasks = harness if harness is not None and harness.tasks else HarnessConfig()
-    return PTQJob(path, scheme_config(scheme), AnalysisConfig(weights=weights, mc_items=mc_items, harness=tasks))
+def ptq_jobs(spec: StudySpec, paths, weights: str, schemes) -> list[PTQJob]:
+    """Each of `schemes` on each run's final or CL weights; a CL model is also scored on the built-in
+    multiple-choice task, or on the lm-eval tasks of `eval.tasks` where it names some."""
+    cl, tasks = weights == "cl", bool(spec.eval.tasks)
+    mc = 0 if not cl or tasks else 200 if spec.name != "smoke" else 20
+    acfg = AnalysisConfig(weights=weights, mc_items=mc, harness=spec.eval if cl and tasks else HarnessConfig())
+    return [PTQJob(path, scheme_config(scheme), acfg) for path in paths for scheme in schemes]
 
 
 def qat_stage(study: Study, state: State) -> None:
@@ -282,7 +278,7 @@ def robust_stage(study: Study, state: State) -> None:
     """The robust arm (study/robust.py): each best-LR run of every seed again with each `robust` entry, with
     the size's CL threshold set; every PTQ scheme on their CL models, the first on their final models and
     the plain runs' (the plain CL models' PTQ is the PTQ stage's, read back). Writes robust.parquet."""
-    from optquant.study.robust import robust_rows, write_robust
+    from optquant.study.robust import robust_rows
 
     spec, plain, cfgs, thresholds, cl_paths = study.spec, {}, {}, state.thresholds, state.cl_paths
     if not spec.robust:
@@ -301,11 +297,10 @@ def robust_stage(study: Study, state: State) -> None:
     cl_models = {key: p for key, p in runs.items() if summaries[key].get("cl_step") is not None}
     cl_models |= {(*key, "none"): p for key, p in cl_paths.items() if (*key, "none") in plain}
     finals = {**plain, **{key: p for key, p in runs.items() if summaries[key].get("status") == "done"}}
-    first = spec.ptq_schemes[0]
-    jobs = [ptq_job(p, s, "cl", mc_items(spec), spec.eval) for p in cl_models.values() for s in spec.ptq_schemes]
-    results = study.run("robust ptq", jobs + [ptq_job(p, first, "final", 0) for p in finals.values()])
+    results = study.run("robust ptq", [*ptq_jobs(spec, cl_models.values(), "cl", spec.ptq_schemes),
+                                       *ptq_jobs(spec, finals.values(), "final", [spec.ptq_schemes[0]])])
     by_run = {runs[key].name: s for key, s in summaries.items()}
-    write_robust(study.root, robust_rows(spec, cl_models, finals, {**plain, **runs}, {**by_run, **results}))
+    write_parquet(study.dir.robust, robust_rows(spec, cl_models, finals, {**plain, **runs}, {**by_run, **results}))
 
 
 def results_stage(study: Study, state: State) -> None:
