@@ -210,13 +210,6 @@ def seed_from_history(source: Path, step: int, target: Path) -> None:
     os.replace(tmp, dst.checkpoint)
 
 
-def prune_history(study: Study) -> None:
-    """Drop the kept checkpoints once every CL run has started from them (they are only a shortcut: a
-    later CL run without one replays its source run)."""
-    for run in study.runs.iterdir() if study.runs.is_dir() else ():
-        shutil.rmtree(RunDir(run).history, ignore_errors=True)
-
-
 def ptq_stage(study: Study, state: State) -> None:
     """Every PTQ scheme on every CL model (with the built-in MC task, or the lm-eval tasks of `eval.tasks`);
     the sweep schemes, outliers and ABC on the final model of every finished FP run (val loss only), for
@@ -304,11 +297,13 @@ def robust_stage(study: Study, state: State) -> None:
 
 
 def results_stage(study: Study, state: State) -> None:
-    """Drop the kept checkpoints (QAT runs keep theirs too: their config must equal their FP twin's but for
-    qat), then write results.parquet, best.json, the fits and the correlations (study/results.py)."""
+    """Drop the kept checkpoints, now that every CL run has started from them (they are only a shortcut: a later
+    CL run without one replays its source run; QAT runs keep theirs too: their config must equal their FP twin's
+    but for qat), then write results.parquet, best.json, the fits and the correlations (study/results.py)."""
     from optquant.study.results import write_results
 
-    prune_history(study)
+    for run in study.runs.iterdir() if study.runs.is_dir() else ():
+        shutil.rmtree(RunDir(run).history, ignore_errors=True)
     write_results(study, state.found, state.thresholds, state.cl_paths, state.qat)
 
 
