@@ -31,13 +31,12 @@ from optquant.ptq_stage import AnalysisConfig, scheme_config
 from optquant.runs import RunDir, StudyDir, read_metrics, run_dir
 from optquant.study.executor import WorkerPool, execute, threads_per_worker
 from optquant.study.jobs import Job, OutliersJob, PTQJob, Result, TrainJob
-from optquant.study.tuning import LRSearch, group_fields, loss_of, losses, ratio_settings, step_sizes, tune
+from optquant.study.tuning import Key, LRSearch, group_fields, loss_of, losses, ratio_settings, step_sizes, tune
 from optquant.study_spec import StudySpec, lr_grid, repeat_seeds, robust_settings, run_config, search_seed, spec_to_dict
 
 log = logging.getLogger(__name__)
 CL_SLACK = 1e-4
 Event = Callable[[dict[str, Any]], None]
-Key = tuple[str, str]  # (optimizer, size)
 
 
 @dataclass(frozen=True)
