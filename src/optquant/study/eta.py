@@ -28,7 +28,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from optquant.study.plan import STEPS, last_phase, phase, planned
+from optquant.study.plan import STEPS, phases, planned
 from optquant.study_spec import StudySpec, run_config
 
 # The prior seconds of a job for one worker: a fixed part (per training step, or per PTQ/outlier job: Python,
@@ -116,7 +116,7 @@ class CostETA:
         cell.recent = [*cell.recent, float(r["seconds"])][-RECENT:]
         cell.planned = max(cell.planned, cell.done)
         self.busy, self.jobs, self.t_last = self.busy + float(r["seconds"]), self.jobs + 1, max(self.t_last, r["end"])
-        self._advance(at if (at := phase(key[0])) >= 0 else self.phase)
+        self._advance(at if (at := phases(key[0])[0]) >= 0 else self.phase)
 
     def skip(self, cls: str, now: float) -> None:
         """A job of class `cls` answered from its files (a resumed study): one planned job fewer."""
@@ -134,7 +134,7 @@ class CostETA:
         self.phase = at
         counts: dict[str, Counter] = defaultdict(Counter)
         for (cls, o, s), c in self.cells.items():
-            if last_phase(cls) < at:
+            if phases(cls)[1] < at:
                 c.planned = c.done
             counts[cls][(o, s)] = c.planned
         for st, jobs in planned(self.spec, expected=True):
@@ -147,7 +147,7 @@ class CostETA:
                 later.update({(st.kind, *k): n for k, n in st.jobs(self.spec, counts).items()})
         for key, n in later.items():
             if (cell := self.cells.get(key)) is not None:
-                cell.planned = (cell.done if phase(key[0]) < at else 0) + n
+                cell.planned = (cell.done if phases(key[0])[0] < at else 0) + n
 
     # ---------------------------------------------------------------- estimates
     def _class_mean(self, cls: str) -> float:

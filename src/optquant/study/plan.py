@@ -425,14 +425,11 @@ def planned(spec: StudySpec, expected: bool = False) -> list[tuple[Stage, dict[K
     return out
 
 
-def phase(kind: str) -> int:
-    """The pipeline position of a job kind: the first step of the table that runs it (-1: none)."""
-    return next((i for i, step in enumerate(STEPS) if any(st.kind == kind for st in step.stages)), -1)
-
-
-def last_phase(kind: str) -> int:
-    """The last step of the table that runs jobs of `kind` (-1: none): after it, that kind's count is what ran."""
-    return max((i for i, step in enumerate(STEPS) if any(st.kind == kind for st in step.stages)), default=-1)
+def phases(kind: str) -> tuple[int, int]:
+    """The first and the last step of the table that run jobs of `kind` ((-1, -1): none): the kind's pipeline
+    position, and the step after which its count is what ran."""
+    steps = [i for i, step in enumerate(STEPS) if any(st.kind == kind for st in step.stages)] or [-1]
+    return steps[0], steps[-1]
 
 
 def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Path:
