@@ -501,15 +501,8 @@ def machine(spec: StudySpec) -> dict[str, Any]:
 
 
 def _sizes(spec: StudySpec) -> dict[str, dict[str, int]]:
-    import torch
+    from optquant.cost import run_cost
 
-    from optquant.model import LM, count_params
-
-    out = {}
-    for size in spec.sizes:
-        cfg = run_config(spec, size, spec.optimizers[0], 1e-3, 0)
-        with torch.device("meta"):
-            model = LM(cfg.model)
-        out[size] = {"n_params": count_params(model), "n_params_non_embedding": count_params(model, False),
-                     "n_layer": cfg.model.n_layer}
-    return out
+    cfgs = {size: run_config(spec, size, spec.optimizers[0]) for size in spec.sizes}
+    return {size: {"n_params": (b := run_cost(cfg)).n_params, "n_params_non_embedding": b.n_params_non_embedding,
+                   "n_layer": cfg.model.n_layer} for size, cfg in cfgs.items()}
