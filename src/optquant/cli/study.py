@@ -7,6 +7,8 @@ import contextlib
 import logging
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 from optquant.errors import OptquantError
@@ -49,8 +51,6 @@ def add_parsers(sub) -> None:
 
 
 def _study(args: argparse.Namespace) -> int:
-    import time
-
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from optquant.config import read_toml
@@ -99,9 +99,6 @@ class Progress:
     status line at each stage and every 30 s."""
 
     def __init__(self, spec, quiet: bool, stream=sys.stderr):
-        import threading
-        import time
-
         from tqdm import tqdm
 
         from optquant.study.eta import CostETA
@@ -143,15 +140,11 @@ class Progress:
             self.write(f"[{now - self.eta.start:7.1f}s] {self.stage}: {self.status(now)}")
 
     def _tick(self) -> None:
-        import time
-
         while not self.stop.wait(1.0):
             with self.lock:
                 self._show(time.time())
 
     def on_event(self, event: dict) -> None:
-        import time
-
         from optquant.study.eta import plan_cells
 
         now = time.time()

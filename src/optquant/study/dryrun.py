@@ -91,10 +91,8 @@ def study_lines(spec: StudySpec, plan: GPUConfig = DEFAULT_GPU) -> list[str]:
     lines += ["", "jobs per stage (an estimate; bounds where the study decides at run time):"]
     total_jobs, total_hours = 0, 0.0
     for stage in stages(spec):
-        if stage.kind == "cl":
-            stage = Row(stage.kind, stage.name, stage.jobs, {k: n * cl_fraction(spec, *k, budgets[k])
-                                                 for k, n in stage.train_runs.items()})
-        hours = sum(n * budgets[k].gpu_hours for k, n in stage.train_runs.items())
+        share = {k: cl_fraction(spec, *k, budgets[k]) if stage.kind == "cl" else 1 for k in stage.train_runs}
+        hours = sum(n * share[k] * budgets[k].gpu_hours for k, n in stage.train_runs.items())
         total_jobs, total_hours = total_jobs + stage.jobs, total_hours + hours
         lines.append(f"  {stage.name:52} {stage.jobs:>6} jobs" + (f"  {_hours(hours)} GPU-h" if hours else ""))
     lines.append(f"  {'total (upper bound)':52} {total_jobs:>6} jobs  {_hours(total_hours)} GPU-h "

@@ -28,7 +28,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from optquant.study.plan import STEPS, last_phase, phase, planned
+from optquant.study.plan import STEPS, phases, planned
 from optquant.study_spec import StudySpec, run_config
 
 # The prior seconds of a job for one worker: a fixed part (per training step, or per PTQ/outlier job: Python,
@@ -87,22 +87,20 @@ def plan_cells(spec: StudySpec, probe: dict | None = None) -> dict[tuple[str, st
         forward = {kind: k * (PRIOR["ptq"][0] + eval_flops(cfg, b.n_params, n) / PRIOR["ptq"][1])
                    for kind, n in EVAL_FORWARDS.items()}
         train = k * (b.steps * PRIOR["fp"][0] + b.flops / PRIOR["fp"][1])
-        out[("fp", o, s)] = Cell(runs["fp"][(o, s)], train)
-        # cl_fraction is an upper bound (a CL run stops at its crossing, on average halfway through the interval)
-        out[("cl", o, s)] = Cell(runs["cl"][(o, s)], train * cl_fraction(spec, o, s, b) / 2)
-        out[("ptq", o, s)] = Cell(runs["ptq"][(o, s)], forward["ptq"])
-        out[("outliers", o, s)] = Cell(runs["outliers"][(o, s)], forward["outliers"])
-        out[("qat", o, s)] = Cell(runs["qat"][(o, s)], train * QAT_OVER_FP)
-        out[("robust", o, s)] = Cell(runs["robust"][(o, s)], train)  # a full-budget run (the methods' cost aside)
+        # cl_fraction is an upper bound (a CL run stops at its crossing, on average halfway through the interval);
+        # a robust run is a full-budget run (the methods' cost aside)
+        prior = {"fp": train, "cl": train * cl_fraction(spec, o, s, b) / 2, **forward, "qat": train * QAT_OVER_FP,
+                 "robust": train}
+        out |= {(kind, o, s): Cell(runs[kind][(o, s)], p) for kind, p in prior.items()}
     return {k: c for k, c in out.items() if c.planned > 0}
 
 
 class CostETA:
     """The remaining wall time of a study, from its planned cells and the jobs measured so far."""
 
-    def __init__(self, spec: StudySpec, start: float, cells: dict | None = None, probe: dict | None = None):
+    def __init__(self, spec: StudySpec, start: float, probe: dict | None = None):
         self.spec, self.start, self.t_last = spec, start, start
-        self.cells = plan_cells(spec, probe) if cells is None else cells
+        self.cells = plan_cells(spec, probe)
         self.probed = bool((probe or {}).get("step"))
         self.workers = max(1, spec.workers if spec.executor == "local" else 1)
         self.busy, self.phase, self.jobs = 0.0, 0, 0
@@ -116,7 +114,7 @@ class CostETA:
         cell.recent = [*cell.recent, float(r["seconds"])][-RECENT:]
         cell.planned = max(cell.planned, cell.done)
         self.busy, self.jobs, self.t_last = self.busy + float(r["seconds"]), self.jobs + 1, max(self.t_last, r["end"])
-        self._advance(at if (at := phase(key[0])) >= 0 else self.phase)
+        self._advance(at if (at := phases(key[0])[0]) >= 0 else self.phase)
 
     def skip(self, cls: str, now: float) -> None:
         """A job of class `cls` answered from its files (a resumed study): one planned job fewer."""
@@ -134,7 +132,7 @@ class CostETA:
         self.phase = at
         counts: dict[str, Counter] = defaultdict(Counter)
         for (cls, o, s), c in self.cells.items():
-            if last_phase(cls) < at:
+            if phases(cls)[1] < at:
                 c.planned = c.done
             counts[cls][(o, s)] = c.planned
         for st, jobs in planned(self.spec, expected=True):
@@ -142,12 +140,11 @@ class CostETA:
                 counts["fp"].subtract(jobs)
         counts["analysed"] = +counts["fp"]  # (+: the counts above 0)
         later: Counter = Counter()  # the PTQ/outlier jobs of the steps not begun (the robust arm's PTQ is one)
-        for i, step in enumerate(STEPS):
-            for st in (st for st in step.stages if st.kind in ("ptq", "outliers") and i >= at):
-                later.update({(st.kind, *k): n for k, n in st.jobs(self.spec, counts).items()})
+        for st in (st for step in STEPS[at:] for st in step.stages if st.kind in ("ptq", "outliers")):
+            later.update({(st.kind, *k): n for k, n in st.jobs(self.spec, counts).items()})
         for key, n in later.items():
             if (cell := self.cells.get(key)) is not None:
-                cell.planned = (cell.done if phase(key[0]) < at else 0) + n
+                cell.planned = (cell.done if phases(key[0])[0] < at else 0) + n
 
     # ---------------------------------------------------------------- estimates
     def _class_mean(self, cls: str) -> float:

@@ -44,13 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def run_job(job: Job) -> tuple[Result, dict[str, float]]:
-    from optquant.device import keep_freed_memory
-
-    keep_freed_memory()  # in the process that runs the job: a pool worker, a Slurm task, or this one
-    return job.run()
-
-
 def die_with_parent(parent: int) -> None:
     """Have the kernel SIGKILL this process when its parent dies (Linux prctl PR_SET_PDEATHSIG), so a
     killed study (SIGKILL, SIGTERM, Ctrl-C) leaves no workers behind; elsewhere a no-op."""
@@ -69,9 +62,12 @@ def die_with_parent(parent: int) -> None:
 
 
 def timed_job(job: Job) -> tuple[Result, dict[str, Any]]:
-    """(result, timing) of `run_job`: wall-clock start/end, the worker's pid and seconds per part."""
+    """(result, timing) of `job.run()`: wall-clock start/end, the worker's pid and seconds per part."""
+    from optquant.device import keep_freed_memory
+
+    keep_freed_memory()  # in the process that runs the job: a pool worker, a Slurm task, or this one
     start = time.time()
-    result, parts = run_job(job)
+    result, parts = job.run()
     end = time.time()
     return result, {"start": start, "end": end, "worker": f"{os.uname().nodename}:{os.getpid()}", "parts": parts}
 
@@ -184,13 +180,12 @@ def run_local(jobs: list[Job], workers: int,
             pool.close()
 
 
-def run_submitit(jobs: list[Job], folder: Path, cluster: str | None,
-                 slurm: dict[str, Any] | None = None) -> Iterator[tuple[Job, dict[str, Any]]]:
+def run_submitit(jobs: list[Job], folder: Path, cluster: str | None) -> Iterator[tuple[Job, dict[str, Any]]]:
     """Submit every job through submitit (cluster None = Slurm if available, "local" = this machine)."""
     import submitit
 
     executor = submitit.AutoExecutor(folder=str(folder), cluster=cluster)
-    executor.update_parameters(timeout_min=24 * 60, **(slurm or {}))
+    executor.update_parameters(timeout_min=24 * 60)
     futures = [(job, executor.submit(timed_job, job)) for job in jobs]
     for job, future in futures:
         yield job, future.result()
@@ -198,13 +193,12 @@ def run_submitit(jobs: list[Job], folder: Path, cluster: str | None,
 
 def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
             on_done: Callable[[Job, Result, dict | None], None] | None = None,
-            costs: Path | None = None, pool: WorkerPool | None = None) -> dict[str, Result]:
+            pool: WorkerPool | None = None) -> dict[str, Result]:
     """Run `jobs` with the chosen executor; returns key → result. Jobs already done are read, not
-    run; each job that runs is logged to `costs` (default: costs.jsonl beside `folder`, i.e. in the
-    study directory; no log without either). `on_done(job, result, record)`: record is the job's costs.jsonl
-    line (None: answered from its files). `pool`: local workers to reuse (a study's)."""
-    if costs is None and folder is not None:
-        costs = StudyDir(Path(folder).parent).costs
+    run; each job that runs is logged to costs.jsonl beside `folder`, i.e. in the study directory (no log
+    without a folder). `on_done(job, result, record)`: record is the job's costs.jsonl line (None: answered
+    from its files). `pool`: local workers to reuse (a study's)."""
+    costs = None if folder is None else StudyDir(Path(folder).parent).costs
     results, todo = {}, []
     for job in jobs:
         done = job.done()

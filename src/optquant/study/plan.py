@@ -25,19 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from optquant.config import RunConfig
-from optquant.files import atomic_write_json, atomic_write_text
+from optquant.files import atomic_write_json, atomic_write_text, write_parquet
 from optquant.harness import HarnessConfig, task_manager
 from optquant.ptq_stage import AnalysisConfig, scheme_config
 from optquant.runs import RunDir, StudyDir, read_metrics, run_dir
 from optquant.study.executor import WorkerPool, execute, threads_per_worker
 from optquant.study.jobs import Job, OutliersJob, PTQJob, Result, TrainJob
-from optquant.study.tuning import LRSearch, group_fields, loss_of, losses, ratio_settings, step_sizes, tune
+from optquant.study.tuning import Key, LRSearch, group_fields, loss_of, losses, ratio_settings, step_sizes, tune
 from optquant.study_spec import StudySpec, lr_grid, repeat_seeds, robust_settings, run_config, search_seed, spec_to_dict
 
 log = logging.getLogger(__name__)
 CL_SLACK = 1e-4
 Event = Callable[[dict[str, Any]], None]
-Key = tuple[str, str]  # (optimizer, size)
 
 
 @dataclass(frozen=True)
@@ -210,25 +209,16 @@ def seed_from_history(source: Path, step: int, target: Path) -> None:
     os.replace(tmp, dst.checkpoint)
 
 
-def prune_history(study: Study) -> None:
-    """Drop the kept checkpoints once every CL run has started from them (they are only a shortcut: a
-    later CL run without one replays its source run)."""
-    for run in study.runs.iterdir() if study.runs.is_dir() else ():
-        shutil.rmtree(RunDir(run).history, ignore_errors=True)
-
-
 def ptq_stage(study: Study, state: State) -> None:
     """Every PTQ scheme on every CL model (with the built-in MC task, or the lm-eval tasks of `eval.tasks`);
     the sweep schemes, outliers and ABC on the final model of every finished FP run (val loss only), for
     correlations within each size."""
     spec = study.spec
-    mc = mc_items(spec)
-    jobs: list[Job] = [ptq_job(path, scheme, "cl", mc, spec.eval) for path in state.cl_paths.values()
-                       for scheme in spec.ptq_schemes]
     finished = [study.runs / s["run_id"] for search in state.found.values() for sums in search.lrs.values()
                 for s in sums
                 if s.get("status") == "done"]
-    jobs += [ptq_job(path, scheme, "final", 0) for path in finished for scheme in spec.sweep_ptq_schemes]
+    jobs: list[Job] = [*ptq_jobs(spec, state.cl_paths.values(), "cl", spec.ptq_schemes),
+                       *ptq_jobs(spec, finished, "final", spec.sweep_ptq_schemes)]
     if not spec.sweep_ptq_schemes:
         jobs += [OutliersJob(path) for path in finished]
     study.run("ptq + analysis", jobs)
@@ -252,15 +242,13 @@ def bits_stage(study: Study, state: State) -> None:
         atomic_write_json(study.dir.bits / f"{path.name}.json", record | run)
 
 
-def mc_items(spec: StudySpec) -> int:
-    """Items of the built-in multiple-choice task per CL model (none when lm-eval tasks score them)."""
-    return 0 if spec.eval.tasks else 200 if spec.name != "smoke" else 20
-
-
-def ptq_job(path: Path, scheme: str, weights: str, mc_items: int, harness: HarnessConfig | None = None) -> PTQJob:
-    """One scheme on a run's final or CL weights; lm-eval tasks only when `harness` names some."""
-    tasks = harness if harness is not None and harness.tasks else HarnessConfig()
-    return PTQJob(path, scheme_config(scheme), AnalysisConfig(weights=weights, mc_items=mc_items, harness=tasks))
+def ptq_jobs(spec: StudySpec, paths, weights: str, schemes) -> list[PTQJob]:
+    """Each of `schemes` on each run's final or CL weights; a CL model is also scored on the built-in
+    multiple-choice task, or on the lm-eval tasks of `eval.tasks` where it names some."""
+    cl, tasks = weights == "cl", bool(spec.eval.tasks)
+    mc = 0 if not cl or tasks else 200 if spec.name != "smoke" else 20
+    acfg = AnalysisConfig(weights=weights, mc_items=mc, harness=spec.eval if cl and tasks else HarnessConfig())
+    return [PTQJob(path, scheme_config(scheme), acfg) for path in paths for scheme in schemes]
 
 
 def qat_stage(study: Study, state: State) -> None:
@@ -282,7 +270,7 @@ def robust_stage(study: Study, state: State) -> None:
     """The robust arm (study/robust.py): each best-LR run of every seed again with each `robust` entry, with
     the size's CL threshold set; every PTQ scheme on their CL models, the first on their final models and
     the plain runs' (the plain CL models' PTQ is the PTQ stage's, read back). Writes robust.parquet."""
-    from optquant.study.robust import robust_rows, write_robust
+    from optquant.study.robust import robust_rows
 
     spec, plain, cfgs, thresholds, cl_paths = study.spec, {}, {}, state.thresholds, state.cl_paths
     if not spec.robust:
@@ -301,19 +289,20 @@ def robust_stage(study: Study, state: State) -> None:
     cl_models = {key: p for key, p in runs.items() if summaries[key].get("cl_step") is not None}
     cl_models |= {(*key, "none"): p for key, p in cl_paths.items() if (*key, "none") in plain}
     finals = {**plain, **{key: p for key, p in runs.items() if summaries[key].get("status") == "done"}}
-    first = spec.ptq_schemes[0]
-    jobs = [ptq_job(p, s, "cl", mc_items(spec), spec.eval) for p in cl_models.values() for s in spec.ptq_schemes]
-    results = study.run("robust ptq", jobs + [ptq_job(p, first, "final", 0) for p in finals.values()])
+    results = study.run("robust ptq", [*ptq_jobs(spec, cl_models.values(), "cl", spec.ptq_schemes),
+                                       *ptq_jobs(spec, finals.values(), "final", [spec.ptq_schemes[0]])])
     by_run = {runs[key].name: s for key, s in summaries.items()}
-    write_robust(study.root, robust_rows(spec, cl_models, finals, {**plain, **runs}, {**by_run, **results}))
+    write_parquet(study.dir.robust, robust_rows(spec, cl_models, finals, {**plain, **runs}, {**by_run, **results}))
 
 
 def results_stage(study: Study, state: State) -> None:
-    """Drop the kept checkpoints (QAT runs keep theirs too: their config must equal their FP twin's but for
-    qat), then write results.parquet, best.json, the fits and the correlations (study/results.py)."""
+    """Drop the kept checkpoints, now that every CL run has started from them (they are only a shortcut: a later
+    CL run without one replays its source run; QAT runs keep theirs too: their config must equal their FP twin's
+    but for qat), then write results.parquet, best.json, the fits and the correlations (study/results.py)."""
     from optquant.study.results import write_results
 
-    prune_history(study)
+    for run in study.runs.iterdir() if study.runs.is_dir() else ():
+        shutil.rmtree(RunDir(run).history, ignore_errors=True)
     write_results(study, state.found, state.thresholds, state.cl_paths, state.qat)
 
 
@@ -436,14 +425,11 @@ def planned(spec: StudySpec, expected: bool = False) -> list[tuple[Stage, dict[K
     return out
 
 
-def phase(kind: str) -> int:
-    """The pipeline position of a job kind: the first step of the table that runs it (-1: none)."""
-    return next((i for i, step in enumerate(STEPS) if any(st.kind == kind for st in step.stages)), -1)
-
-
-def last_phase(kind: str) -> int:
-    """The last step of the table that runs jobs of `kind` (-1: none): after it, that kind's count is what ran."""
-    return max((i for i, step in enumerate(STEPS) if any(st.kind == kind for st in step.stages)), default=-1)
+def phases(kind: str) -> tuple[int, int]:
+    """The first and the last step of the table that run jobs of `kind` ((-1, -1): none): the kind's pipeline
+    position, and the step after which its count is what ran."""
+    steps = [i for i, step in enumerate(STEPS) if any(st.kind == kind for st in step.stages)] or [-1]
+    return steps[0], steps[-1]
 
 
 def run_study(spec: StudySpec, root: Path, on_event: Event | None = None) -> Path:
@@ -515,15 +501,8 @@ def machine(spec: StudySpec) -> dict[str, Any]:
 
 
 def _sizes(spec: StudySpec) -> dict[str, dict[str, int]]:
-    import torch
+    from optquant.cost import run_cost
 
-    from optquant.model import LM, count_params
-
-    out = {}
-    for size in spec.sizes:
-        cfg = run_config(spec, size, spec.optimizers[0], 1e-3, 0)
-        with torch.device("meta"):
-            model = LM(cfg.model)
-        out[size] = {"n_params": count_params(model), "n_params_non_embedding": count_params(model, False),
-                     "n_layer": cfg.model.n_layer}
-    return out
+    cfgs = {size: run_config(spec, size, spec.optimizers[0]) for size in spec.sizes}
+    return {size: {"n_params": (b := run_cost(cfg)).n_params, "n_params_non_embedding": b.n_params_non_embedding,
+                   "n_layer": cfg.model.n_layer} for size, cfg in cfgs.items()}

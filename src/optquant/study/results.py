@@ -49,13 +49,10 @@ DAMAGE = ("delta_val_loss", "delta_acc_norm")
 PREDICTORS = ("mmr", "mmr_batchavg", "kurtosis", "kurt_rms", "R_L", "sum_A", "sum_B")
 
 
-def _rows(base: dict[str, Any], scheme: str, values: dict[str, Any], names) -> list[dict[str, Any]]:
-    out = []
-    for name in names:
-        v = values.get(name)
-        if isinstance(v, int | float) and not isinstance(v, bool):
-            out.append({**base, "scheme": scheme, "metric": name, "value": float(v)})
-    return out
+def metric_rows(base: dict[str, Any], scheme: str, values: dict[str, Any], names) -> list[dict[str, Any]]:
+    """`base` with each named value of `values` that is a number (not a bool) as one row."""
+    return [{**base, "scheme": scheme, "metric": name, "value": float(v)} for name in names
+            if isinstance(v := values.get(name), int | float) and not isinstance(v, bool)]
 
 
 def gather(study, found: dict[tuple[str, str], LRSearch], thresholds: dict, cl_paths: dict, qat: dict) -> pd.DataFrame:
@@ -73,30 +70,25 @@ def gather(study, found: dict[tuple[str, str], LRSearch], thresholds: dict, cl_p
         for lr, seed, s in search.runs():
             run = study.runs / s["run_id"]
             row = base(run, s, "fp", key, lr, seed, lr == search.best)
-            rows += _rows(row, "none", {**s, "diverged": float(s["status"] == "diverged")}, (*FP_METRICS, "diverged"))
-            rows += _rows(row, "none", {"best_lr_at_edge": float(search.status == "cap"),
-                                        "lr_bracketed": float(search.status == "bracketed")},
-                          ("best_lr_at_edge", "lr_bracketed"))
-            rows += _sweep_rows(study, run, row, sweep)
+            rows += metric_rows(row, "none", {**s, "diverged": float(s["status"] == "diverged")},
+                                (*FP_METRICS, "diverged"))
+            rows += metric_rows(row, "none", {"best_lr_at_edge": float(search.status == "cap"),
+                                              "lr_bracketed": float(search.status == "bracketed")},
+                                ("best_lr_at_edge", "lr_bracketed"))
+            rows += _ptq_rows(run, row, sweep, study.spec.sweep_ptq_schemes, OUTLIER_METRICS)
+            if not study.spec.sweep_ptq_schemes and (outliers := RunDir(run).outliers("final")).exists():
+                rows += metric_rows(row, "none", read_json(outliers), OUTLIER_METRICS)
     acfg = AnalysisConfig(weights="cl")
     for (opt, size, seed), run in cl_paths.items():
         s = read_summary(run)
         row = base(run, s, "cl", (opt, size), found[(opt, size)].best, seed, True)
-        rows += _rows(row, "none", {"cl_threshold": thresholds[size], "cl_step": s["cl_step"]},
-                      ("cl_threshold", "cl_step"))
-        for scheme in study.spec.ptq_schemes:
-            damage = read_result(run, acfg, scheme, "damage") or {}
-            metrics = read_result(run, acfg, scheme, "analysis") or {}
-            tasks_fp, tasks_q = task_scores(damage, "fp"), task_scores(damage, "q")
-            if scheme == study.spec.ptq_schemes[0]:  # FP numbers of the CL model, once
-                rows += _rows(row, "none", _side(damage, metrics, "fp"), ("val_loss", "mc_acc", "mc_acc_norm",
-                                                                        *OUTLIER_METRICS))
-                rows += _rows(row, "none", tasks_fp, tasks_fp)
-            rows += _rows(row, scheme, _side(damage, metrics, "q"), PTQ_METRICS)
-            rows += _rows(row, scheme, tasks_q, tasks_q)
+        rows += metric_rows(row, "none", {"cl_threshold": thresholds[size], "cl_step": s["cl_step"]},
+                            ("cl_threshold", "cl_step"))
+        rows += _ptq_rows(run, row, acfg, study.spec.ptq_schemes, ("val_loss", "mc_acc", "mc_acc_norm",
+                                                                   *OUTLIER_METRICS))
     for run_id, (key, lr, seed, bits, s) in qat.items():
         row = {**base(study.runs / run_id, s, "qat", key, lr, seed, True), "bits": bits}
-        rows += _rows(row, f"quest-w{bits}a{bits}", s, ("final_val_loss", "qat_rel_degradation_pct", *TIMING))
+        rows += metric_rows(row, f"quest-w{bits}a{bits}", s, ("final_val_loss", "qat_rel_degradation_pct", *TIMING))
     df = pd.DataFrame(rows)
     return df.sort_values(["kind", "size", "optimizer", "lr", "seed", "scheme", "metric"], kind="stable",
                           ignore_index=True) if len(df) else df
@@ -131,18 +123,17 @@ def _side(damage: dict, metrics: dict, tag: str) -> dict:
     return plain | (damage if tag == "q" else {}) | metrics
 
 
-def _sweep_rows(study, run: Path, base: dict, acfg: AnalysisConfig) -> list[dict[str, Any]]:
-    """An FP run's final model: its outliers, and each sweep scheme's damage and ABC terms."""
+def _ptq_rows(run: Path, base: dict, acfg: AnalysisConfig, schemes, fp: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each scheme's damage, ABC terms and lm-eval scores on a run's weights (the CL model's, or an FP run's final
+    model's), and once, from the first scheme's files, the FP model's `fp` metrics and scores."""
     rows = []
-    for i, scheme in enumerate(study.spec.sweep_ptq_schemes):
+    for i, scheme in enumerate(schemes):
         damage = read_result(run, acfg, scheme, "damage") or {}
         metrics = read_result(run, acfg, scheme, "analysis") or {}
-        if i == 0:
-            rows += _rows(base, "none", metrics, OUTLIER_METRICS)
-        rows += _rows(base, scheme, _side(damage, metrics, "q"), PTQ_METRICS)
-    outliers = RunDir(run).outliers("final")
-    if not study.spec.sweep_ptq_schemes and outliers.exists():
-        rows += _rows(base, "none", read_json(outliers), OUTLIER_METRICS)
+        tasks_fp, tasks_q = task_scores(damage, "fp"), task_scores(damage, "q")
+        if i == 0:  # task scores are named "<metric>/<task>": no metric name clashes with one
+            rows += metric_rows(base, "none", _side(damage, metrics, "fp") | tasks_fp, (*fp, *tasks_fp))
+        rows += metric_rows(base, scheme, _side(damage, metrics, "q") | tasks_q, (*PTQ_METRICS, *tasks_q))
     return rows
 
 

@@ -18,13 +18,10 @@ robust runs of the LR sweep.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pandas as pd
 
-from optquant.files import write_parquet
-from optquant.runs import StudyDir, read_summary
+from optquant.runs import read_summary
+from optquant.study.results import metric_rows
 
 CL_METRICS = ("delta_val_loss", "val_loss_fp", "R_L", "sum_A", "sum_B", "mean_gain", "mean_gain_linear",
               "mean_G1", "mean_G2")
@@ -34,30 +31,18 @@ COLUMNS = ("optimizer", "size", "seed", "arm", "weights", "scheme", "metric", "v
 
 def robust_rows(spec, cl_models: dict, finals: dict, trained: dict, results: dict) -> pd.DataFrame:
     """robust.parquet's rows: `cl_models`, `finals` and `trained` map (opt, size, seed, arm) to a run
-    directory; `results` holds the PTQ jobs' results by job key (plan.ptq_job) and the runs' summaries by
+    directory; `results` holds the PTQ jobs' results by job key (plan.ptq_jobs) and the runs' summaries by
     run id."""
     rows, first = [], spec.ptq_schemes[0]
+
+    def add(key: tuple, weights: str, scheme: str, values: dict, names: tuple[str, ...]) -> None:
+        rows.extend(metric_rows(dict(zip(COLUMNS, (*key, weights), strict=False)), scheme, values, names))
+
     for key, p in cl_models.items():
         for scheme in spec.ptq_schemes:
-            rows += _rows(key, "cl", scheme, results.get(f"{p.name}/cl/{scheme}") or {}, CL_METRICS)
+            add(key, "cl", scheme, results.get(f"{p.name}/cl/{scheme}") or {}, CL_METRICS)
     for key, p in finals.items():
-        rows += _rows(key, "final", first, results.get(f"{p.name}/final/{first}") or {}, ("delta_val_loss",
-                                                                                          "val_loss_fp"))
+        add(key, "final", first, results.get(f"{p.name}/final/{first}") or {}, ("delta_val_loss", "val_loss_fp"))
     for key, p in trained.items():
-        rows += _rows(key, "train", "none", results.get(p.name) or _summary(p), TRAIN_METRICS)
+        add(key, "train", "none", results.get(p.name) or read_summary(p) or {}, TRAIN_METRICS)
     return pd.DataFrame(rows, columns=COLUMNS)
-
-
-def write_robust(root: Path, df: pd.DataFrame) -> None:
-    write_parquet(StudyDir(root).robust, df)
-
-
-def _summary(path: Path) -> dict[str, Any]:
-    return read_summary(path) or {}
-
-
-def _rows(key: tuple, weights: str, scheme: str, values: dict[str, Any], names: tuple[str, ...]) -> list[dict]:
-    opt, size, seed, arm = key
-    return [{"optimizer": opt, "size": size, "seed": seed, "arm": arm, "weights": weights, "scheme": scheme,
-             "metric": name, "value": float(values[name])} for name in names
-            if isinstance(values.get(name), int | float) and not isinstance(values.get(name), bool)]

@@ -92,11 +92,7 @@ def _check_runs(spec: StudySpec) -> None:
                 _run(spec, f"qat_bits={b}", size, opt, None, search_seed(spec.seeds),
                      {"qat.method": "quest", "qat.w_bits": b, "qat.a_bits": b})
             for entry in spec.robust:
-                try:
-                    extra = robust_settings(entry)
-                except OptquantError as e:
-                    raise OptquantError(f"robust={entry}: {e}") from None
-                _run(spec, f"robust={entry}", size, opt, None, search_seed(spec.seeds), extra=extra)
+                _run(spec, f"robust={entry}", size, opt, None, search_seed(spec.seeds), robust=entry)
         for param, values in spec.sweeps.get(opt, {}).items():
             _list(f"sweeps.{opt}.{param}", values)
             for v in values:
@@ -105,8 +101,9 @@ def _check_runs(spec: StudySpec) -> None:
 
 
 def _run(spec: StudySpec, what: str, size: str, opt: str, lr: float | None, seed: int,
-         settings: dict | None = None, extra: dict | None = None) -> None:
+         settings: dict | None = None, extra: dict | None = None, robust: str | None = None) -> None:
+    """Build one run; an error, the entry's own included (`robust`), is named by `what`."""
     try:
-        run_config(spec, size, opt, lr, seed, settings, extra)
+        run_config(spec, size, opt, lr, seed, settings, robust_settings(robust) if robust is not None else extra)
     except OptquantError as e:
         raise OptquantError(f"{what}: {e}") from None
