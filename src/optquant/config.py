@@ -242,21 +242,6 @@ def from_dict(data: dict, path: str = "config") -> RunConfig:
 _WORDS = {"none": None, "null": None, "yes": True, "on": True, "no": False, "off": False}
 
 
-def parse_value(value: str, tp: Any, path: str) -> Any:
-    """`value` (a --set string) as type `tp`, by msgspec's lax conversion (numbers, true/false/1/0, null), with
-    none, yes/no and on/off as words and a list as comma-separated values; errors name the dotted `path`."""
-    text = value.strip()
-    if typing.get_origin(tp) in (tuple, list):
-        text = [v.strip() for v in text.strip("()[]").split(",") if v.strip()]
-    try:
-        return msgspec.convert(text, tp, strict=False)
-    except msgspec.ValidationError as e:
-        if isinstance(text, str) and text.lower() in _WORDS:
-            with contextlib.suppress(msgspec.ValidationError):
-                return msgspec.convert(_WORDS[text.lower()], tp)
-        raise OptquantError(f"--set {path}={value}: {e}{_choices(tp)}") from None
-
-
 def field_type(cfg: Any, keys: list[str], path: str) -> tuple[list[str], Any]:
     """The current names along `keys` (a dotted path, split) of dataclass `cfg`, and the type of their field."""
     if not is_dataclass(cfg):
@@ -271,14 +256,26 @@ def field_type(cfg: Any, keys: list[str], path: str) -> tuple[list[str], Any]:
 
 
 def typed(value: Any, tp: Any, path: str) -> Any:
-    """`value` as type `tp`, a finite number where it is one: a --set string (SetText) parsed by it, a TOML or JSON
-    value checked as it is typed (no string is read as a number; an int is a float where a float belongs)."""
+    """`value` as type `tp`, a finite number where it is one. A --set string (SetText) is parsed by `tp`: msgspec's
+    lax conversion (numbers, true/false/1/0, null), with none, yes/no and on/off as words and a list as
+    comma-separated values; a TOML or JSON value is checked as it is typed (no string is read as a number; an int
+    is a float where a float belongs)."""
+    lax = isinstance(value, SetText)
+    text = value.strip() if lax else value
+    if lax and typing.get_origin(tp) in (tuple, list):
+        text = [v.strip() for v in text.strip("()[]").split(",") if v.strip()]
     try:
-        out = parse_value(value, tp, path) if isinstance(value, SetText) else msgspec.convert(value, tp)
+        out = msgspec.convert(text, tp, strict=not lax)
     except msgspec.ValidationError as e:
-        raise OptquantError(f"{path}={value!r}: {e}{_choices(tp)}") from None
+        error = e
+        if lax and isinstance(text, str) and text.lower() in _WORDS:
+            with contextlib.suppress(msgspec.ValidationError):
+                out, error = msgspec.convert(_WORDS[text.lower()], tp), None
+        if error:
+            shown = f"--set {path}={value}" if lax else f"{path}={value!r}"
+            raise OptquantError(f"{shown}: {error}{_choices(tp)}") from None
     if any(isinstance(v, float) and not math.isfinite(v) for v in (out if isinstance(out, tuple | list) else [out])):
-        raise OptquantError(f"{'--set ' * isinstance(value, SetText)}{path}={value}: must be a finite number")
+        raise OptquantError(f"{'--set ' * lax}{path}={value}: must be a finite number")
     return out
 
 
@@ -355,13 +352,6 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     return override(cfg, dict(settings(overrides)))  # a key given twice: its last value
 
 
-def _flatten_toml(table: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in table.items():
-        out.update(_flatten_toml(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def read_toml(path: Path) -> tuple[str | None, dict[str, Any]]:
     """(preset, {dotted key: value as TOML typed it}) from a TOML run or study file."""
     try:
@@ -371,7 +361,7 @@ def read_toml(path: Path) -> tuple[str | None, dict[str, Any]]:
     preset = table.pop("preset", None)
     if preset is not None and not isinstance(preset, str):
         raise OptquantError(f"{path}: preset must be a string, got {preset!r}")
-    return preset, _flatten_toml(table)
+    return preset, dict(_leaves(table))
 
 
 def resolve(preset: str | None, toml_path: Path | None, overrides: list) -> RunConfig:
