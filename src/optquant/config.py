@@ -280,9 +280,11 @@ def typed(value: Any, tp: Any, path: str) -> Any:
 
 
 def set_field(cfg: Any, keys: list[str], value: Any, path: str) -> Any:
-    """A copy of dataclass `cfg` (a study spec, a GPU plan) with the field at `keys` set to `value` (`typed`)."""
+    """A copy of dataclass `cfg` (a study spec, a GPU plan) with the field at `keys` set to `value` (`typed`),
+    checked by msgspec against its annotations (each field's range), as a RunConfig is."""
     names, tp = field_type(cfg, keys, path)
-    return _set(cfg, names, typed(value, tp, path))
+    changed = to_dict(_set(cfg, names, typed(value, tp, path)))
+    return _convert(type(cfg), changed, path.removesuffix(".".join(keys)))
 
 
 def _set(cfg: Any, keys: list[str], value: Any) -> Any:
