@@ -102,7 +102,7 @@ def run_preset(name: str) -> RunConfig:
     return override(cfg, RUN_PRESETS[name])
 
 
-def config_hash(cfg: Any) -> str:
+def config_hash(cfg: RunConfig) -> str:
     """The run id's hash. Left out: `log` (where a run is logged), `preset` (a label), `train.compile` (how
     it executes) and `data.max_epochs` (a guard) are not which run it is, and run ids from before those settings
     existed stay valid; so does `robust` with method "none" (the plain run, as before the section existed) and
@@ -110,20 +110,14 @@ def config_hash(cfg: Any) -> str:
     renamed optimizer field is hashed under its old name (the config's LEGACY_NAMES), so the rename kept every
     run id."""
     data = to_dict(cfg)
-    for new, old in getattr(getattr(cfg, "optim", None), "LEGACY_NAMES", {}).items():
+    for new, old in getattr(cfg.optim, "LEGACY_NAMES", {}).items():
         data["optim"][old] = data["optim"].pop(new)
-    if isinstance(cfg, RunConfig):
-        data.pop("log", None)
-        data.pop("preset", None)
-        if cfg.robust.method == "none":
-            data.pop("robust", None)
-        for name, default in (("norm", "rms"), ("embed_proj", False), ("block", "standard"), ("attn_gate", False)):
-            if data["model"].get(name) == default:
-                data["model"].pop(name)
-    if isinstance(data.get("train"), dict):
-        data["train"].pop("compile", None)
-    if isinstance(data.get("data"), dict):
-        data["data"].pop("max_epochs", None)  # a guard on the run, not which run it is
+    for key in ("log", "preset", *(["robust"] if cfg.robust.method == "none" else [])):
+        del data[key]
+    for name, default in (("norm", "rms"), ("embed_proj", False), ("block", "standard"), ("attn_gate", False)):
+        if data["model"][name] == default:
+            del data["model"][name]
+    del data["train"]["compile"], data["data"]["max_epochs"]  # how it executes, a guard: not which run it is
     return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
 
 
