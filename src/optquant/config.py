@@ -30,7 +30,7 @@ from optquant.data import DataConfig
 from optquant.errors import OptquantError
 from optquant.files import read_text
 from optquant.model import MODEL_PRESETS, ModelConfig, model_config
-from optquant.optim import OPTIMIZERS, AdamWConfig, optimizer_config, optimizer_config_class
+from optquant.optim import OPTIMIZERS, AdamWConfig, PluginConfig, optimizer_config
 from optquant.optim.plugin import safe_name
 from optquant.quant.qat_config import QATConfig
 from optquant.quant.robust_config import RobustConfig
@@ -146,7 +146,7 @@ def _decode(data: dict) -> RunConfig:
     if name not in OPTIMIZERS and (not isinstance(lr := optim.get("lr"), int | float) or math.isnan(lr)):
         raise OptquantError(f"optimizer plugin {name!r} declares no default_lr: set optim.lr=... "
                             f"(in a study: lrs.{name}=...)")
-    cls = optimizer_config_class(name)  # never imports a plugin: its record or its defaults carry its lr
+    cls = OPTIMIZERS.get(name, PluginConfig)  # never imports a plugin: its record or its defaults carry its lr
     cfg = _convert(RunConfig, {**data, "optim": _convert(cls, optim, "optim.")})
     for path, value in _leaves(to_dict(cfg)):
         if isinstance(value, float) and not math.isfinite(value):
