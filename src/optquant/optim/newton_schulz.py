@@ -62,7 +62,9 @@ def newton_schulz_many(mats: list[Tensor], steps: int, dtype: torch.dtype, **kwa
 
 def resolve_ns_dtype(setting: str, params: list[Tensor]) -> str:
     """"bf16" or "fp32" for a config's `ns_dtype` ("auto": bf16 where `params`' device multiplies bf16
-    natively, the rule of `train.precision=auto`; the config's Literal holds it to auto, bf16 or fp32)."""
+    natively, the rule of `train.precision=auto`)."""
+    if setting not in ("auto", *DTYPES):
+        raise OptquantError(f"ns_dtype must be auto, bf16 or fp32, got {setting!r}")
     device = params[0].device if params else torch.device("cpu")
     return "bf16" if use_bf16(setting, device) else "fp32"
 
