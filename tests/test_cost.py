@@ -140,6 +140,12 @@ def test_plan_overrides_and_bad_gpu():
     assert plan == GPUConfig(gpu="a100", mfu=0.3) and rest == [("optim.lr", "1e-3")]
     with pytest.raises(OptquantError, match="plan.gpu=tpu"):
         split_gpu_overrides(["plan.gpu=tpu"])
+    # the ranges in GPUConfig's annotations are checked as plan.* is set (config.set_field), a TOML value too
+    for bad, message in ((["plan.mfu=2"], r"^plan.mfu=2.0: Expected `float` <= 1.0$"),
+                         ([("plan.mfu", 0)], r"^plan.mfu=0.0: Expected `float` > 0.0$"),
+                         (["plan.gpus_per_run=0"], r"^plan.gpus_per_run=0: Expected `int` >= 1$")):
+        with pytest.raises(OptquantError, match=message):
+            split_gpu_overrides(bad)
 
 
 def test_stage_counts_follow_the_spec():

@@ -30,7 +30,7 @@ from optquant.data import DataConfig
 from optquant.errors import OptquantError
 from optquant.files import read_text
 from optquant.model import MODEL_PRESETS, ModelConfig, model_config
-from optquant.optim import OPTIMIZERS, AdamWConfig, optimizer_config, optimizer_config_class
+from optquant.optim import OPTIMIZERS, AdamWConfig, PluginConfig, optimizer_config
 from optquant.optim.plugin import safe_name
 from optquant.quant.qat_config import QATConfig
 from optquant.quant.robust_config import RobustConfig
@@ -102,7 +102,7 @@ def run_preset(name: str) -> RunConfig:
     return override(cfg, RUN_PRESETS[name])
 
 
-def config_hash(cfg: Any) -> str:
+def config_hash(cfg: RunConfig) -> str:
     """The run id's hash. Left out: `log` (where a run is logged), `preset` (a label), `train.compile` (how
     it executes) and `data.max_epochs` (a guard) are not which run it is, and run ids from before those settings
     existed stay valid; so does `robust` with method "none" (the plain run, as before the section existed) and
@@ -110,20 +110,14 @@ def config_hash(cfg: Any) -> str:
     renamed optimizer field is hashed under its old name (the config's LEGACY_NAMES), so the rename kept every
     run id."""
     data = to_dict(cfg)
-    for new, old in getattr(getattr(cfg, "optim", None), "LEGACY_NAMES", {}).items():
+    for new, old in getattr(cfg.optim, "LEGACY_NAMES", {}).items():
         data["optim"][old] = data["optim"].pop(new)
-    if isinstance(cfg, RunConfig):
-        data.pop("log", None)
-        data.pop("preset", None)
-        if cfg.robust.method == "none":
-            data.pop("robust", None)
-        for name, default in (("norm", "rms"), ("embed_proj", False), ("block", "standard"), ("attn_gate", False)):
-            if data["model"].get(name) == default:
-                data["model"].pop(name)
-    if isinstance(data.get("train"), dict):
-        data["train"].pop("compile", None)
-    if isinstance(data.get("data"), dict):
-        data["data"].pop("max_epochs", None)  # a guard on the run, not which run it is
+    for key in ("log", "preset", *(["robust"] if cfg.robust.method == "none" else [])):
+        del data[key]
+    for name, default in (("norm", "rms"), ("embed_proj", False), ("block", "standard"), ("attn_gate", False)):
+        if data["model"][name] == default:
+            del data["model"][name]
+    del data["train"]["compile"], data["data"]["max_epochs"]  # how it executes, a guard: not which run it is
     return hashlib.sha1(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -152,7 +146,7 @@ def _decode(data: dict) -> RunConfig:
     if name not in OPTIMIZERS and (not isinstance(lr := optim.get("lr"), int | float) or math.isnan(lr)):
         raise OptquantError(f"optimizer plugin {name!r} declares no default_lr: set optim.lr=... "
                             f"(in a study: lrs.{name}=...)")
-    cls = optimizer_config_class(name)  # never imports a plugin: its record or its defaults carry its lr
+    cls = OPTIMIZERS.get(name, PluginConfig)  # never imports a plugin: its record or its defaults carry its lr
     cfg = _convert(RunConfig, {**data, "optim": _convert(cls, optim, "optim.")})
     for path, value in _leaves(to_dict(cfg)):
         if isinstance(value, float) and not math.isfinite(value):
@@ -242,21 +236,6 @@ def from_dict(data: dict, path: str = "config") -> RunConfig:
 _WORDS = {"none": None, "null": None, "yes": True, "on": True, "no": False, "off": False}
 
 
-def parse_value(value: str, tp: Any, path: str) -> Any:
-    """`value` (a --set string) as type `tp`, by msgspec's lax conversion (numbers, true/false/1/0, null), with
-    none, yes/no and on/off as words and a list as comma-separated values; errors name the dotted `path`."""
-    text = value.strip()
-    if typing.get_origin(tp) in (tuple, list):
-        text = [v.strip() for v in text.strip("()[]").split(",") if v.strip()]
-    try:
-        return msgspec.convert(text, tp, strict=False)
-    except msgspec.ValidationError as e:
-        if isinstance(text, str) and text.lower() in _WORDS:
-            with contextlib.suppress(msgspec.ValidationError):
-                return msgspec.convert(_WORDS[text.lower()], tp)
-        raise OptquantError(f"--set {path}={value}: {e}{_choices(tp)}") from None
-
-
 def field_type(cfg: Any, keys: list[str], path: str) -> tuple[list[str], Any]:
     """The current names along `keys` (a dotted path, split) of dataclass `cfg`, and the type of their field."""
     if not is_dataclass(cfg):
@@ -271,21 +250,35 @@ def field_type(cfg: Any, keys: list[str], path: str) -> tuple[list[str], Any]:
 
 
 def typed(value: Any, tp: Any, path: str) -> Any:
-    """`value` as type `tp`, a finite number where it is one: a --set string (SetText) parsed by it, a TOML or JSON
-    value checked as it is typed (no string is read as a number; an int is a float where a float belongs)."""
+    """`value` as type `tp`, a finite number where it is one. A --set string (SetText) is parsed by `tp`: msgspec's
+    lax conversion (numbers, true/false/1/0, null), with none, yes/no and on/off as words and a list as
+    comma-separated values; a TOML or JSON value is checked as it is typed (no string is read as a number; an int
+    is a float where a float belongs)."""
+    lax = isinstance(value, SetText)
+    text = value.strip() if lax else value
+    if lax and typing.get_origin(tp) in (tuple, list):
+        text = [v.strip() for v in text.strip("()[]").split(",") if v.strip()]
     try:
-        out = parse_value(value, tp, path) if isinstance(value, SetText) else msgspec.convert(value, tp)
+        out = msgspec.convert(text, tp, strict=not lax)
     except msgspec.ValidationError as e:
-        raise OptquantError(f"{path}={value!r}: {e}{_choices(tp)}") from None
+        error = e
+        if lax and isinstance(text, str) and text.lower() in _WORDS:
+            with contextlib.suppress(msgspec.ValidationError):
+                out, error = msgspec.convert(_WORDS[text.lower()], tp), None
+        if error:
+            shown = f"--set {path}={value}" if lax else f"{path}={value!r}"
+            raise OptquantError(f"{shown}: {error}{_choices(tp)}") from None
     if any(isinstance(v, float) and not math.isfinite(v) for v in (out if isinstance(out, tuple | list) else [out])):
-        raise OptquantError(f"{'--set ' * isinstance(value, SetText)}{path}={value}: must be a finite number")
+        raise OptquantError(f"{'--set ' * lax}{path}={value}: must be a finite number")
     return out
 
 
 def set_field(cfg: Any, keys: list[str], value: Any, path: str) -> Any:
-    """A copy of dataclass `cfg` (a study spec, a GPU plan) with the field at `keys` set to `value` (`typed`)."""
+    """A copy of dataclass `cfg` (a study spec, a GPU plan) with the field at `keys` set to `value` (`typed`),
+    checked by msgspec against its annotations (each field's range), as a RunConfig is."""
     names, tp = field_type(cfg, keys, path)
-    return _set(cfg, names, typed(value, tp, path))
+    changed = to_dict(_set(cfg, names, typed(value, tp, path)))
+    return _convert(type(cfg), changed, path.removesuffix(".".join(keys)))
 
 
 def _set(cfg: Any, keys: list[str], value: Any) -> Any:
@@ -355,13 +348,6 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     return override(cfg, dict(settings(overrides)))  # a key given twice: its last value
 
 
-def _flatten_toml(table: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in table.items():
-        out.update(_flatten_toml(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def read_toml(path: Path) -> tuple[str | None, dict[str, Any]]:
     """(preset, {dotted key: value as TOML typed it}) from a TOML run or study file."""
     try:
@@ -371,7 +357,7 @@ def read_toml(path: Path) -> tuple[str | None, dict[str, Any]]:
     preset = table.pop("preset", None)
     if preset is not None and not isinstance(preset, str):
         raise OptquantError(f"{path}: preset must be a string, got {preset!r}")
-    return preset, _flatten_toml(table)
+    return preset, dict(_leaves(table))
 
 
 def resolve(preset: str | None, toml_path: Path | None, overrides: list) -> RunConfig:

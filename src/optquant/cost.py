@@ -26,6 +26,7 @@ from torch import nn
 
 from optquant.errors import OptquantError
 from optquant.optim import split_params
+from optquant.ranges import Count, Probability
 
 
 @dataclass(frozen=True)
@@ -51,16 +52,12 @@ class GPUConfig:
     """`--set plan.gpu=a100 --set plan.mfu=0.35` on `optquant train/study --dry-run`."""
 
     gpu: str = "h100"
-    mfu: float = 0.4  # model FLOPs utilisation assumed for the GPU-hours
-    gpus_per_run: int = 1  # data-parallel replicas of one run (weights, grads and state replicated)
+    mfu: Probability = 0.4  # model FLOPs utilisation assumed for the GPU-hours
+    gpus_per_run: Count = 1  # data-parallel replicas of one run (weights, grads and state replicated)
 
     def accelerator(self) -> Accelerator:
         if self.gpu not in ACCELERATORS:
             raise OptquantError(f"plan.gpu={self.gpu}: choose one of {', '.join(ACCELERATORS)}")
-        if not 0 < self.mfu <= 1:
-            raise OptquantError(f"plan.mfu={self.mfu}: must be in (0, 1]")
-        if self.gpus_per_run < 1:
-            raise OptquantError(f"plan.gpus_per_run={self.gpus_per_run}: must be >= 1")
         return ACCELERATORS[self.gpu]
 
 

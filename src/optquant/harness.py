@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optquant.errors import OptquantError
+from optquant.ranges import Natural
 
 if TYPE_CHECKING:
     from torch import nn
@@ -34,14 +35,12 @@ class HarnessConfig:
 
     tasks: tuple[str, ...] = ()  # lm-eval task names, e.g. piqa,hellaswag,arc_easy (the paper's)
     include_path: str = ""  # a folder of local task YAMLs ("" = lm-eval's own tasks only)
-    limit: int = 0  # items per task (0 = all of them)
+    limit: Natural = 0  # items per task (0 = all of them)
 
 
 def check_harness(cfg: HarnessConfig) -> HarnessConfig:
     """The cheap checks, before anything trains: lm-eval installed, the task folder present (made absolute,
-    so worker processes find it), a sane limit. Task names are checked by `task_manager`."""
-    if cfg.limit < 0:
-        raise OptquantError(f"eval.limit={cfg.limit}: must be >= 0 (0 = every item)")
+    so worker processes find it). Task names are checked by `task_manager`, the limit by its annotation."""
     if cfg.include_path:
         path = Path(cfg.include_path).expanduser().resolve()
         if not path.is_dir():

@@ -147,10 +147,7 @@ class PluginConfig:
         return [LRGroup((kind,), self.lr) for kind in ("embeddings", "vectors", "matrices")]
 
     def build(self, groups: ParamGroups) -> list[torch.optim.Optimizer]:
-        if math.isnan(self.lr):
-            raise OptquantError(f"optimizer plugin {self.name!r} declares no default_lr: set optim.lr=... "
-                                f"(in a study: lrs.{self.name}=...)")
-        try:
+        try:  # a nan lr (no default_lr, none set) never gets here: every config is validated (config._decode)
             out = load_factory(self.name)(groups, self.lr)
         except (Exception, SystemExit) as e:  # the user's factory, not ours
             raise OptquantError(f"optimizer plugin {self.name!r} raised in its factory: {_describe(e)}") from None
