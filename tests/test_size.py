@@ -97,7 +97,11 @@ from pathlib import Path
 # Issue 29's lean34 clean-up (−13 on its branch, real removals only: the report page through atomic_write_text,
 # one signed number format, one /proc/cpuinfo reader, Holm on numpy, one logits read-out): 17,252, budget 17,257.
 # The session's merge (eta34, robust34, bits34, inputs34, typed34, lean34 and its mends): 17,374, budget 17,379.
-BUDGET = 17_379
+# Issue 29's cuts of 2026-12-06, real removals only (rep29 −56: one spelling of each report rule, scipy's Hadamard,
+# dead arguments; plan29 −66: PTQ jobs and rows written once, the stage table read by one phases(); cfg29 −29: one
+# conversion path, ranges as annotations), with the raw-source memory bound (+8) and the robust verdict at equal FP
+# loss (+21): 17,257, budget 17,260.
+BUDGET = 17_260
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 
