@@ -4,7 +4,9 @@ Per optimizer × robust arm, units are the (size, seed) pairs where both the arm
 have the number; each cell is the paired mean difference arm − plain with its bootstrap 95 % interval and
 the exact sign-flip p (optquant.stats), Holm-corrected over every cell of its column. Damage is Δ val loss
 (quantized − FP) at the Common Loss, so the FP loss is equal by construction (both models are the first
-to reach the size's threshold); the FP cost shows as the final model's FP val loss and the CL step. The
+to reach the size's threshold) where the model moves between evaluations: a weight average that moves only at
+evaluations (lawa) crosses late and below, so the CL models' FP-loss difference is tested too and a cell counts
+only where it is not significant; the FP cost shows as the final model's FP val loss and the CL step. The
 training cost is the ratio of mean step times (wall clock in the study's workers; benchmarks/robust.py
 measures it side by side). The verdict: an arm cuts damage significantly at no significant FP cost for
 an optimizer when its damage p_Holm < α with a negative mean and its final-FP-loss difference is not
