@@ -265,5 +265,9 @@ def test_architecture_options_train_change_the_run_id_and_are_robust_arm_entries
     assert math.isfinite(train(both, tmp_path / "both")["final_val_loss"])
     assert entry_overrides("model.block=op") == ("model.block=op",)
     assert apply_overrides(nano_cfg, list(entry_overrides("model.attn_gate=true"))).model.attn_gate
+    osp = apply_overrides(nano_cfg, list(entry_overrides("model.norm=single+model.embed_proj=true")))
+    assert (osp.model.norm, osp.model.embed_proj) == ("single", True)  # OSP's architecture as one arm
+    with pytest.raises(Exception, match="joined by"):
+        entry_overrides("model.norm=single+ema:0.9")
     with pytest.raises(Exception, match="model.block"):
         apply_overrides(nano_cfg, ["model.block=pre"])

@@ -73,9 +73,13 @@ def entry_overrides(entry: str) -> tuple[str, ...]:
     end of the stable phase at the same budget (a WSD run's weights up to its decay do not depend on the
     decay's length), and `decay:0.1`, `decay:0.4` vary the decay's length against the plain 0.2. An entry
     `model.FIELD=VALUE` is the plain run with that architecture option, e.g. `model.block=op` (the Outlier
-    Protected block) or `model.attn_gate=true` (gated attention; model.py)."""
-    if entry.startswith("model.") and "=" in entry:  # an architecture option as the arm
-        return (entry,)
+    Protected block) or `model.attn_gate=true` (gated attention; model.py); options joined by `+` are one arm,
+    e.g. OSP's architecture `model.norm=single+model.embed_proj=true`."""
+    if entry.startswith("model."):  # architecture options as the arm
+        options = tuple(entry.split("+"))
+        if not all(o.startswith("model.") and "=" in o for o in options):
+            raise OptquantError(f"robust={entry!r}: expected model.FIELD=VALUE options joined by +")
+        return options
     parts = entry.split(":")
     method, strength, every = (*parts, "", "")[:3]
     if method == "decay" and len(parts) == 2 and strength:  # the LR decay as the variable (no robust method)
