@@ -397,6 +397,42 @@ def test_lawa_is_the_equal_average_of_the_last_k_kept_checkpoints():
     assert all(torch.equal(a, b) for a, b in zip(again.averaged(), avg.averaged(), strict=True))
 
 
+def test_lawa_live_is_the_last_k_minus_1_kept_checkpoints_and_the_current_weights():
+    """Between kept checkpoints the current weights are the newest of the k; at a kept one, lawa's average."""
+    lin, avg = _average("lawa-live", 3, eval_every=5, steps=23)
+    gen, kept = torch.Generator().manual_seed(0), []
+    for step in range(23):
+        w = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+        lin.weight.data.copy_(w)
+        avg.step(step)
+        if avg.due(step):
+            kept.append(w.clone())
+        members = kept[-3:] if avg.due(step) else [*kept[-2:], w]
+        torch.testing.assert_close(avg.averaged()[0], torch.stack(members).mean(0), rtol=1e-12, atol=1e-12)
+        with avg.swapped():
+            torch.testing.assert_close(lin.weight.data, torch.stack(members).mean(0), rtol=1e-12, atol=1e-12)
+        assert torch.equal(lin.weight.data, w)
+    assert len(kept) == 5  # steps 5, 10, 15, 20, 23
+
+
+def test_lawa_live_meets_the_common_loss_where_it_reaches_it_and_ends_as_lawa(nano_cfg, tmp_path):
+    """Same trajectory, same kept and final models as lawa; lawa's average moves only at kept checkpoints
+    (every 10 steps here), so it crosses at a regular evaluation, lawa-live's at a fine one before it."""
+    cfg = apply_overrides(nano_cfg, ["robust.strength=2"])
+    lawa = train(apply_overrides(cfg, ["robust.method=lawa"]), tmp_path / "probe")
+    vals = [m["val_loss"] for m in read_metrics(tmp_path / "probe")]
+    threshold = (vals[1] + vals[2]) / 2  # lawa's average crosses at step 30
+    cl = [f"train.cl_threshold={threshold!r}", "train.cl_eval_every=1", "train.cl_eval_from=20"]
+    lawa = train(apply_overrides(cfg, ["robust.method=lawa", *cl]), tmp_path / "lawa")
+    live = train(apply_overrides(cfg, ["robust.method=lawa-live", *cl]), tmp_path / "live")
+    assert lawa["cl_step"] == 30 and 20 < live["cl_step"] < 30
+    assert live["final_val_loss"] == lawa["final_val_loss"] and live["robust"] == "lawa-live:2"
+    a, b = _weights(tmp_path / "lawa"), _weights(tmp_path / "live")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    fine = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "live")}
+    assert fine[live["cl_step"]] <= threshold < fine[live["cl_step"] - 1]
+
+
 def test_averaged_runs_save_and_evaluate_the_average(nano_cfg, tmp_path):
     from optquant.checkpoint import load_checkpoint
     from optquant.runs import RunDir

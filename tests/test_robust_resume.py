@@ -22,13 +22,14 @@ from safetensors.torch import load_file
 
 import optquant.train as train_module
 from optquant.config import run_id
+from optquant.quant.robust_config import ROBUST_METHODS
 from optquant.runs import RunDir, read_metrics, run_dir
 from optquant.study.jobs import TrainJob
 from optquant.study.plan import cl_settings
 from optquant.study_spec import StudySpec, robust_settings, run_config, spec_from_dict
 
 RESULTS = Path(__file__).parents[1] / "docs" / "results"
-ENTRIES = ("penalty:0.5:3", "gain:2:3", "late-qat:0.3", "ema:0.9:3", "lawa:2", "decay:0", "decay:0.4",
+ENTRIES = ("penalty:0.5:3", "gain:2:3", "late-qat:0.3", "ema:0.9:3", "lawa:2", "lawa-live:2", "decay:0", "decay:0.4",
            "model.block=op", "model.attn_gate=true")
 TIMINGS = ("mean_step_seconds", "tokens_per_s")  # wall clock: the only numbers a resume may change
 
@@ -94,7 +95,7 @@ def test_every_robust_entry_resumes_bitwise_through_the_study_job(plain, tmp_pat
     assert resumed["summary"] == straight["summary"] and resumed["metrics"] == straight["metrics"]
     assert _same_tensors(resumed["final"], straight["final"]) and _same_tensors(resumed["cl"], straight["cl"])
     method = entry.split(":")[0]  # decay:f and model.* entries are plain runs (no robust.method)
-    expected = ":".join(entry.split(":")[:2]) if method in ("penalty", "gain", "late-qat", "ema", "lawa") else None
+    expected = ":".join(entry.split(":")[:2]) if method in ROBUST_METHODS[1:] else None
     assert straight["summary"].get("robust") == expected
 
 

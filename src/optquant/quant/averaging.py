@@ -10,6 +10,11 @@ after every `every`-th optimizer step: e_1 = w_1, e_t = β e_{t−1} + (1 − β
 lawa (strength k ≥ 1): the equal average of the last k kept checkpoints, the weights at each regular
 evaluation (every train.eval_every steps and the last step), as LAWA averages the last k saved
 checkpoints (Kaddour 2022, arXiv 2209.14981; Sanyal et al. 2023, arXiv 2306.03241).
+lawa-live (strength k): lawa with the current weights always the newest of the k, so the average moves
+with every step: the last k − 1 kept checkpoints and the current weights between two kept ones, the last k
+kept at a kept one. Its kept and final models are lawa's; what differs is where the average meets the
+Common Loss: lawa's average moves only at kept checkpoints, so it crosses the threshold late and below it,
+lawa-live's at the step it reaches it, as the plain run's does (the fine evaluations see it).
 
 What the run's evaluations see (the validation loss, so the Common-Loss crossing), its CL weights and its
 final weights are the average (`swapped`), so PTQ, outliers and ABC measure the averaged model and its FP
@@ -37,7 +42,7 @@ class WeightAverage:
             self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(value), use_buffers=False)
             self.ema.requires_grad_(False)
         else:
-            self.k, self.snaps = int(value), []
+            self.k, self.snaps, self.live, self.kept_now = int(value), [], method == "lawa-live", True
 
     def due(self, step: int) -> bool:
         """Whether optimizer step `step` (0-based) ends with an update."""
@@ -46,21 +51,31 @@ class WeightAverage:
             return done % self.every == 0
         return done % self.eval_every == 0 or done == self.steps
 
+    def step(self, step: int) -> None:
+        """After optimizer step `step`: update the average if it is due (else the weights have moved on)."""
+        if self.due(step):
+            self.update()
+        elif self.method != "ema":
+            self.kept_now = False
+
     @torch.no_grad()
     def update(self) -> None:
         if self.method == "ema":
             self.ema.update_parameters(self.model)
             return
-        self.snaps = [*self.snaps, [p.detach().clone() for p in self.params]][-self.k:]
+        self.snaps, self.kept_now = [*self.snaps, [p.detach().clone() for p in self.params]][-self.k:], True
 
     @torch.no_grad()
     def averaged(self) -> list[torch.Tensor] | None:
         """The average, one tensor per parameter; None before the first update."""
         if self.method == "ema":
             return None if int(self.ema.n_averaged) == 0 else [p.detach() for p in self.ema.module.parameters()]
-        if not self.snaps:
+        snaps = self.snaps
+        if self.live and not self.kept_now:  # the current weights as the newest of the k
+            snaps = [*snaps[max(0, len(snaps) - self.k + 1):], [p.detach() for p in self.params]]
+        if not snaps:
             return None
-        return [sum(ts[1:], ts[0].clone()) / len(ts) for ts in zip(*self.snaps, strict=True)]
+        return [sum(ts[1:], ts[0].clone()) / len(ts) for ts in zip(*snaps, strict=True)]
 
     @contextmanager
     def swapped(self):

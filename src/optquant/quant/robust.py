@@ -205,7 +205,7 @@ class Robust:
         self.grams = InputGrams(layers) if cfg.method == "gain" else None
         self.label = f"{cfg.method}:{cfg.value:g}"
         self.average = None
-        if cfg.method in ("ema", "lawa"):
+        if cfg.method in ("ema", "lawa", "lawa-live"):
             from optquant.quant.averaging import WeightAverage
 
             self.average = WeightAverage(model, cfg.method, cfg.value, cfg.every, eval_every, steps)
@@ -241,8 +241,8 @@ class Robust:
             self.average.load(state)
 
     def end(self, step: int) -> None:
-        if self.average is not None and self.average.due(step):
-            self.average.update()
+        if self.average is not None:
+            self.average.step(step)
         if self.grams is not None and self.active(step):
             for lin, C in self.grams.stop().items():
                 cap_gain_(lin.weight, C, self.value)

@@ -15,10 +15,10 @@ from msgspec import Meta
 from optquant.errors import OptquantError
 from optquant.ranges import Count
 
-ROBUST_METHODS: tuple[str, ...] = ("none", "penalty", "gain", "late-qat", "ema", "lawa")
+ROBUST_METHODS: tuple[str, ...] = ("none", "penalty", "gain", "late-qat", "ema", "lawa", "lawa-live")
 # `strength` when it is left unset: penalty λ, gain target τ, late-QAT fraction of the steps, EMA decay β
 # (a window of ~50 steps: the study's runs are a few hundred steps long), LAWA's k checkpoints
-DEFAULT_STRENGTH = {"penalty": 0.1, "gain": 4.0, "late-qat": 0.2, "ema": 0.98, "lawa": 5.0}
+DEFAULT_STRENGTH = {"penalty": 0.1, "gain": 4.0, "late-qat": 0.2, "ema": 0.98, "lawa": 5.0, "lawa-live": 5.0}
 # The robust arm the `cpu-robust` study preset runs (issue 32): two strengths of each averaging, windows of ~20
 # and ~100 steps at the default study's 183 (femto) and 545 (pico) steps (lawa keeps a checkpoint every 25),
 # and the LR decay off and doubled against the plain 0.2. The report's Seeds table is its power calculation.
@@ -37,9 +37,11 @@ class RobustConfig:
               strength = the decay β in [0, 1)
     lawa      evaluate and save the equal average of the last k kept checkpoints (every train.eval_every
               steps; `every` must stay 1); strength = k, a whole number ≥ 1
+    lawa-live lawa with the current weights always the newest of the k (averaging.py): the same kept and
+              final models, and an average that meets the Common Loss at the step it reaches it
     """
 
-    method: Literal["none", "penalty", "gain", "late-qat", "ema", "lawa"] = "none"
+    method: Literal["none", "penalty", "gain", "late-qat", "ema", "lawa", "lawa-live"] = "none"
     strength: float | None = None  # None = DEFAULT_STRENGTH[method]
     every: Count = 1  # penalty / gain: on every k-th optimizer step (steps 0, k, 2k, ...)
     # the quantizer's weight and activation bits (W4A4 as the study's PTQ and QAT)
@@ -60,9 +62,9 @@ class RobustConfig:
             raise OptquantError(f"robust.strength={v}: late QAT's fraction of the steps must be in (0, 1]")
         if self.method == "ema" and not 0 <= v < 1:
             raise OptquantError(f"robust.strength={v}: the EMA's decay β must be in [0, 1)")
-        if self.method == "lawa" and (v < 1 or v != int(v)):
+        if self.method.startswith("lawa") and (v < 1 or v != int(v)):
             raise OptquantError(f"robust.strength={v}: LAWA's number of checkpoints k must be a whole number >= 1")
-        if self.method == "lawa" and self.every != 1:
+        if self.method.startswith("lawa") and self.every != 1:
             raise OptquantError(f"robust.every={self.every}: LAWA averages the kept checkpoints (every "
                                 "train.eval_every steps); leave robust.every at 1")
 
