@@ -9,7 +9,9 @@ the median CPU ms per step and its ratio to plain training measured in the same 
 QuEST phase (strength 1: on from step 0); a run that spends the fraction f of its steps there costs
 1 + f·(ratio − 1) on average, given in the last column for f = 0.2 (the default). ema and lawa are timed with
 their updates (ema's after every step, lawa's copy at the run's eval_every); the evaluations of the average
-replace the raw model's, so they cost nothing more.
+replace the raw model's, so they cost nothing more. The architecture arms (`model.FIELD=VALUE` entries: OSP's
+single-scale RMSNorm with the embedding projection, the Outlier Protected block, gated attention) are models
+of their own, built from the same seed and timed in the same blocks.
 
 Run: python benchmarks/robust.py [--presets zepto pico] [--optimizers adamw muon] [--blocks 5] [--block 10]
 """
@@ -23,6 +25,7 @@ import warnings
 
 import torch
 
+from optquant.config import apply_overrides
 from optquant.device import keep_freed_memory
 from optquant.optim import build_optimizers
 from optquant.quant.robust import Robust
@@ -30,7 +33,7 @@ from optquant.quant.robust_config import RobustConfig
 from optquant.study_spec import cpu, run_config
 from optquant.train import build_model, get_batch, lm_loss
 
-VARIANTS: dict[str, RobustConfig | None] = {
+VARIANTS: dict[str, RobustConfig | tuple[str, ...] | None] = {
     "plain": None,
     "penalty k=1": RobustConfig("penalty", 0.1, every=1),
     "penalty k=4": RobustConfig("penalty", 0.1, every=4),
@@ -39,6 +42,10 @@ VARIANTS: dict[str, RobustConfig | None] = {
     "late-qat (on)": RobustConfig("late-qat", 1.0),
     "ema 0.99": RobustConfig("ema", 0.99),  # an update after every step
     "lawa k=4": RobustConfig("lawa", 4.0),  # a kept copy at every evaluation (the run's eval_every)
+    # the architecture arms: plain training of another model
+    "osp norm+proj": ("model.norm=single", "model.embed_proj=true"),
+    "op block": ("model.block=op",),
+    "attn gate": ("model.attn_gate=true",),
 }
 LATE_FRACTION = 0.2
 
@@ -49,8 +56,8 @@ def measure(preset: str, optimizer: str, blocks: int, block: int) -> dict[str, f
     runs = {}
     for name, rc in VARIANTS.items():
         torch.manual_seed(0)
-        model = build_model(cfg)
-        robust = None if rc is None else Robust(rc, model, steps=10**6, eval_every=cfg.train.eval_every)
+        model = build_model(apply_overrides(cfg, list(rc)) if isinstance(rc, tuple) else cfg)
+        robust = None if not isinstance(rc, RobustConfig) else Robust(rc, model, 10**6, eval_every=cfg.train.eval_every)
         runs[name] = [model, build_optimizers(model, cfg.optim), robust, torch.Generator().manual_seed(2), 0, []]
 
     def steps(name: str, n: int) -> None:
