@@ -156,11 +156,7 @@ def meta_model(cfg) -> nn.Module:
 def meta_models(cfg) -> tuple[nn.Module, nn.Module]:
     """The run's model with 1 and 2 blocks on the meta device, for `at_depth`: building all n_layer blocks costs
     ~1 ms of CPU each, so a dry run of model.n_layer=100000 took minutes; from these two, what n_layer=2 does."""
-    return meta_model(_depth(cfg, 1)), meta_model(_depth(cfg, 2))
-
-
-def _depth(cfg, n_layer: int):
-    return replace(cfg, model=replace(cfg.model, n_layer=n_layer))
+    return tuple(meta_model(replace(cfg, model=replace(cfg.model, n_layer=n))) for n in (1, 2))
 
 
 def at_depth(cfg, models: tuple[nn.Module, nn.Module], measure: Callable[[nn.Module], int | None]) -> int | None:
@@ -202,16 +198,14 @@ def run_cost(cfg, plan: GPUConfig = DEFAULT_GPU, models: tuple[nn.Module, nn.Mod
     steps = steps_for(cfg, n if tc.budget_params == "total" else n_ne)
     tokens = steps * tc.batch_size * cfg.model.seq_len
     flops = training_flops(cfg, n_matmul, tokens)
-    weights = at_depth(cfg, models, lambda m: sum(p.numel() * p.element_size()
-                                                  for p in {id(p): p for p in m.parameters()}.values()))
+    weights = at_depth(cfg, models, lambda m: sum(p.numel() * p.element_size() for p in m.parameters()))  # tied once
     state = at_depth(cfg, models, lambda m: optimizer_state_bytes(m, cfg.optim))
     bf16 = tc.precision != "fp32"  # auto = bf16 on every GPU with bf16 (the planner's targets)
     micro = tc.batch_size // (tc.grad_accum * plan.gpus_per_run)
     acts = activation_bytes(cfg, micro, bf16)
-    fits = weights * 2 + (state or 0) + acts <= acc.memory
     hours = flops / (acc.bf16_flops * plan.mfu) / 3600
-    budget = RunCost(n, n_ne, steps, tokens, flops, micro, weights, weights, state, acts, hours, fits, None)
-    return budget if fits else replace(budget, fix=_fix(cfg, plan, models, budget))
+    budget = RunCost(n, n_ne, steps, tokens, flops, micro, weights, weights, state, acts, hours, True, None)
+    return budget if budget.memory <= acc.memory else replace(budget, fits=False, fix=_fix(cfg, plan, models, budget))
 
 
 def _fix(cfg, plan: GPUConfig, models: tuple[nn.Module, nn.Module], b: RunCost) -> str:

@@ -32,7 +32,7 @@ from optquant.data import TokenData, fixed_batches, load_tokens
 from optquant.errors import OptquantError
 from optquant.evaluate import MCConfig, mc_eval, val_loss
 from optquant.files import NUMBER, atomic_write_json, check_record, finite_json, read_json, write_parquet
-from optquant.harness import HarnessConfig
+from optquant.harness import HarnessConfig, lm_eval_tasks
 from optquant.metrics.chain import shared_copy
 from optquant.metrics.outliers import aggregate, outlier_metrics
 from optquant.metrics.propagation import PropagationConfig, propagation, propagation_of
@@ -168,38 +168,29 @@ def model_damage(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out_path
     val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
     out = {"scheme": qcfg.name, "weights": acfg.weights, "ptq": dataclasses.asdict(qcfg)}
     tasks: dict[str, dict] = {}
+    h = acfg.harness
     for tag, m in run.models(qcfg, acfg):
         out[f"val_loss_{tag}"] = val_loss(m, val).loss
         if acfg.mc_items:
             mc = mc_eval(m, data, mc_config(cfg, acfg))
             out[f"mc_acc_{tag}"], out[f"mc_acc_norm_{tag}"] = mc.acc, mc.acc_norm
-        if acfg.harness.tasks:
-            tasks[tag] = harness_scores(m, data, acfg.harness)
+        if h.tasks:  # {task: {acc, acc_stderr, acc_norm, acc_norm_stderr, n}}, with the run's own tokenizer
+            tasks[tag] = lm_eval_tasks(m, data.tokenizer, data.eot_id, list(h.tasks),
+                                       include_path=h.include_path or None, limit=h.limit or None)
     out["delta_val_loss"] = out["val_loss_q"] - out["val_loss_fp"]
     if acfg.mc_items:
         out["delta_acc_norm"] = out["mc_acc_norm_q"] - out["mc_acc_norm_fp"]
-    if acfg.harness.tasks:
-        out["harness"] = dataclasses.asdict(acfg.harness)
-        out["tasks"] = {t: {tag: tasks[tag][t] for tag in tasks} for t in acfg.harness.tasks}
+    if h.tasks:
+        out["harness"] = dataclasses.asdict(h)
+        out["tasks"] = {t: {tag: tasks[tag][t] for tag in tasks} for t in h.tasks}
     atomic_write_json(out_path / PTQ_FILES["damage"], out)
     return out
-
-
-def harness_scores(m: nn.Module, data, h: HarnessConfig) -> dict[str, dict]:
-    """{task: {acc, acc_stderr, acc_norm, acc_norm_stderr, n}} of one model from lm-eval, zero-shot, scored
-    with the run's own tokenizer."""
-    from optquant.harness import lm_eval_tasks
-
-    return lm_eval_tasks(m, data.tokenizer, data.eot_id, list(h.tasks), include_path=h.include_path or None,
-                         limit=h.limit or None)
 
 
 def covers(summary: dict[str, Any] | None, acfg: AnalysisConfig) -> bool:
     """Whether a PTQ summary.json already holds what `acfg` asks for (the built-in task, the lm-eval tasks
     at the same item limit); a study redoes one that does not."""
-    if summary is None:
-        return False
-    if acfg.mc_items and "mc_acc_fp" not in summary:
+    if summary is None or (acfg.mc_items and "mc_acc_fp" not in summary):
         return False
     h = acfg.harness
     done = summary.get("harness") or {}
@@ -229,9 +220,8 @@ def model_analysis(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out: P
         rows, summary = propagation_of(model, walk, calib, pcfg, run.calib(qcfg, acfg))
     write_parquet(out / PTQ_FILES["outliers"], pd.DataFrame([dataclasses.asdict(r) for r in layers]))
     write_parquet(out / PTQ_FILES["propagation"], pd.DataFrame([dataclasses.asdict(r) for r in rows]))
-    result = {"scheme": qcfg.name, "weights": acfg.weights, **aggregate(layers),
-              **{k: v for k, v in dataclasses.asdict(summary).items() if k != "norm"}}
-    result = finite_json(result)  # NaN as null, as the file will hold it
+    result = finite_json({"scheme": qcfg.name, "weights": acfg.weights, **aggregate(layers),
+                          **{k: v for k, v in dataclasses.asdict(summary).items() if k != "norm"}})  # NaN as null
     atomic_write_json(out / PTQ_FILES["analysis"], result)
     return result
 
@@ -241,10 +231,9 @@ def fp_outliers(run_dir: Path, acfg: AnalysisConfig = AnalysisConfig()) -> dict[
     path = RunDir(run_dir).outliers(acfg.weights)
     if path.exists():
         return read_json(path)
-    cfg, model = load_run_model(run_dir, acfg.weights)
-    data = run_tokens(run_dir, cfg)
-    result = finite_json(aggregate(outlier_metrics(model, _batches(cfg, data.val, acfg.calib_batches,
-                                                                   cfg.seed + 12345))))
+    run = LoadedRun(run_dir, acfg.weights)
+    calib = _batches(run.cfg, run.data.val, acfg.calib_batches, run.cfg.seed + 12345)
+    result = finite_json(aggregate(outlier_metrics(run.model, calib)))
     atomic_write_json(path, result)
     return result
 
@@ -301,31 +290,28 @@ def score_gains(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, params: d
     if score == "abc":
         pcfg = PropagationConfig(granularity="linear", skip=skip)
         rows, _ = propagation_of(model, low, calib, pcfg, run.calib(low, acfg))
-        gains = abc_gains(rows, params, choices)
-    elif score == "oracle":
-        val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
-        fp = model if qcfg.rotation == "none" else rotate_model_(copy.deepcopy(model))
-        walk = dataclasses.replace(qcfg, rotation="none")
-        gains = measured_gains(params, choices, lambda bits: val_loss(quantize_(
-            shared_copy(fp), dataclasses.replace(walk, plan=tuple(bits.items())), run.calib(walk, acfg)), val).loss)
-    elif score in ("hawq", "fisher"):
-        fp = model if qcfg.rotation == "none" else rotate_model_(copy.deepcopy(model))
-        lins = {model_name(n): lin for n, lin in linear_layers(fp, skip=skip)}  # a rotated o_proj is o_proj
-        weights = {n: lins[model_name(n)].weight for n in params}
-        was = {n: w.requires_grad for n, w in weights.items()}
-        for w in weights.values():
-            w.requires_grad_(True)
-        try:
-            if score == "hawq":
-                traces = hessian_traces(lambda b: lm_loss(fp, *b), calib, weights, seed=cfg.seed)
-            else:  # one sample = one sequence
-                traces = fisher_traces(lambda b: lm_loss(fp, *b), [(x[i : i + 1], y[i : i + 1]) for x, y in calib
-                                                                   for i in range(len(x))], weights)
-        finally:
-            for n, w in weights.items():
-                w.requires_grad_(was[n])
-        gains = perturbation_gains(traces, weights, lambda b: dataclasses.replace(qcfg, w_bits=b, plan=()).weight_spec,
-                                   choices)
-    else:
+        return abc_gains(rows, params, choices)
+    if score not in ("oracle", "hawq", "fisher"):
         raise OptquantError(f"bits: --score must be abc, oracle, hawq or fisher, got {score!r}")
-    return gains
+    fp = model if qcfg.rotation == "none" else rotate_model_(copy.deepcopy(model))
+    if score == "oracle":
+        val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
+        walk = dataclasses.replace(qcfg, rotation="none")
+        return measured_gains(params, choices, lambda bits: val_loss(quantize_(
+            shared_copy(fp), dataclasses.replace(walk, plan=tuple(bits.items())), run.calib(walk, acfg)), val).loss)
+    lins = {model_name(n): lin for n, lin in linear_layers(fp, skip=skip)}  # a rotated o_proj is o_proj
+    weights = {n: lins[model_name(n)].weight for n in params}
+    was = {n: w.requires_grad for n, w in weights.items()}
+    for w in weights.values():
+        w.requires_grad_(True)
+    try:
+        if score == "hawq":
+            traces = hessian_traces(lambda b: lm_loss(fp, *b), calib, weights, seed=cfg.seed)
+        else:  # one sample = one sequence
+            traces = fisher_traces(lambda b: lm_loss(fp, *b), [(x[i : i + 1], y[i : i + 1]) for x, y in calib
+                                                               for i in range(len(x))], weights)
+    finally:
+        for n, w in weights.items():
+            w.requires_grad_(was[n])
+    return perturbation_gains(traces, weights, lambda b: dataclasses.replace(qcfg, w_bits=b, plan=()).weight_spec,
+                              choices)

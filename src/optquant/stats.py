@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -94,14 +94,11 @@ def sign_flip_test(diffs: Sequence[float] | np.ndarray, *, n_mc: int = 20000, se
         return 1.0
     obs = abs(d.mean())
     tol = 1e-12 * max(1.0, float(np.abs(d).max()))
-    if n <= EXACT_MAX_UNITS:
-        signs = 1.0 - 2.0 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)  # every ± pattern
-        t = np.abs(signs @ d) / n
-        return float(np.mean(t >= obs - tol))
-    rng = np.random.default_rng(seed)
-    signs = rng.choice((-1.0, 1.0), size=(n_mc, n))
-    t = np.abs(signs @ d) / n
-    return float((1 + np.sum(t >= obs - tol)) / (1 + n_mc))
+    exact = n <= EXACT_MAX_UNITS
+    signs = (1.0 - 2.0 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1) if exact  # every ± pattern
+             else np.random.default_rng(seed).choice((-1.0, 1.0), size=(n_mc, n)))
+    hits = np.sum(np.abs(signs @ d) / n >= obs - tol)
+    return float(hits / 2**n if exact else (1 + hits) / (1 + n_mc))
 
 
 def bootstrap_mean_ci(
@@ -111,10 +108,8 @@ def bootstrap_mean_ci(
     d = np.asarray(diffs, dtype=float)
     if len(d) < 2:
         return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    means = d[rng.integers(0, len(d), size=(n_boot, len(d)))].mean(axis=1)
-    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
+    means = d[np.random.default_rng(seed).integers(0, len(d), size=(n_boot, len(d)))].mean(axis=1)
+    return percentile_ci(means, n_boot, level)  # every mean is finite: the plain percentile interval
 
 
 @dataclass(frozen=True)
@@ -196,8 +191,7 @@ def rank_with_ties(
     adj = holm([t.p for t in tests]) if tests else np.array([])
     r = Ranking({}, {pr: (t, float(p)) for pr, t, p in zip(pairs, tests, adj, strict=True)},
                 max((t.n for t in tests), default=0), alpha, lower_is_better)  # fmt: skip
-    rank = {o: 1 + sum(r.better(x, o) for x in opts if x != o) for o in opts}
-    return Ranking(rank, r.pairs, r.n_units, alpha, lower_is_better)
+    return replace(r, rank={o: 1 + sum(r.better(x, o) for x in opts if x != o) for o in opts})
 
 
 # ---------------------------------------------------------------- partial correlation

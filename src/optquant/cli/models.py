@@ -26,7 +26,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise OptquantError(f"eval: --tasks {args.tasks!r} names no task (e.g. --tasks piqa,hellaswag)")
     if args.tokenizer and args.hf is None:
         raise OptquantError("eval: --tokenizer goes with --hf (a run has its own tokenizer)")
-    model, tok, eot, prefix = _load_model(args.run_dir, args.hf, args.weights, tokenizer=args.tokenizer)
+    model, tok, eot, prefix = _load_model(args.run_dir, args.hf, args.weights, args.tokenizer)
     result = lm_eval_tasks(model, tok, eot, tasks, include_path=args.include_path, limit=args.limit or None,
                            prefix_id=prefix)
     for task, r in result.items():
@@ -39,15 +39,14 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_model(run_dir: Path | None, hf: Path | None, weights: str = "final", seq_len: int = 2048,
-                tokenizer: Path | None = None):
+def _load_model(run_dir: Path | None, hf: Path | None, weights: str, tokenizer: Path | None):
     """(model, tokenizers.Tokenizer, EOS id, lm-eval's prefix id: None for a run, see harness.lm_eval_adapter)."""
     if (run_dir is None) == (hf is None):
         raise OptquantError("eval: give a run directory or --hf PATH (one of them)")
     if hf is not None:
         from optquant.hf import load_hf, load_hf_tokenizer
 
-        return load_hf(hf, seq_len), *load_hf_tokenizer(tokenizer or hf, model=hf)
+        return load_hf(hf, seq_len=2048), *load_hf_tokenizer(tokenizer or hf, model=hf)
     from optquant.ptq_stage import load_run_model, run_tokens
 
     cfg, model = load_run_model(run_dir, weights)

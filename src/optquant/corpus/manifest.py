@@ -77,13 +77,9 @@ class Shard:
     sha256: str
 
 
-def _stamp_path(cache: Path, cid: str) -> Path:
-    return cache / "verified" / f"{cid}.json"
-
-
 def check_shards(shards: list[Shard], itemsize: int, cid: str, cache: Path) -> None:
     """Every shard has the size its token count says; its content hash is checked once per (size, mtime)."""
-    stamp_file = _stamp_path(cache, cid)
+    stamp_file = cache / "verified" / f"{cid}.json"
     try:
         stamps = json.loads(stamp_file.read_text())
     except (OSError, ValueError):

@@ -23,6 +23,7 @@ project's numpy and transformers (dolma, litdata and mosaicml-streaming do not);
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -115,7 +116,7 @@ class _Shard:
         self.tmp.unlink(missing_ok=True)
 
 
-_TOKENIZERS: dict[str, Tokenizer] = {}
+_load_tokenizer = functools.cache(Tokenizer.from_file)  # once per worker process
 
 
 def _batches(task: Task) -> Iterator[tuple[str, list[str]]]:
@@ -137,9 +138,7 @@ def _batches(task: Task) -> Iterator[tuple[str, list[str]]]:
 def tokenize_file(task: Task) -> dict:
     """Run one task: its input's train and val shards, then its record. Returns the record."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per process: N processes use N cores
-    if task.tokenizer not in _TOKENIZERS:
-        _TOKENIZERS[task.tokenizer] = Tokenizer.from_file(task.tokenizer)
-    tok = _TOKENIZERS[task.tokenizer]
+    tok = _load_tokenizer(task.tokenizer)
     out = Path(task.out)
     shards = {s: _Shard(out / shard_name(s, task.index)) for s in SPLITS}
     eot, dtype = (task.eot_id,), np.dtype(task.dtype)
@@ -257,9 +256,8 @@ def prepare(sources: list[str], out: Path, cfg: PrepareConfig) -> dict:
 
 
 def _manifest(plan: dict, records: list[dict]) -> dict:
-    shards = {s: [{"file": r[s]["file"], "source": r["source"], **{k: r[s][k] for k in ("tokens", "documents",
-                                                                                           "sha256")}}
-                  for r in records if r[s]["file"]] for s in SPLITS}
+    shards = {s: [{"file": r[s]["file"], "source": r["source"], **r[s]} for r in records if r[s]["file"]]
+              for s in SPLITS}  # each: file, source, tokens, documents, sha256
     totals = {s: {k: sum(e[k] for e in shards[s]) for k in ("tokens", "documents")} for s in SPLITS}
     settings = plan["settings"]
     split = {"rule": SPLIT_RULE, **{k: settings[k] for k in ("val_fraction", "split_seed", "text_field")}}

@@ -61,8 +61,9 @@ def load_user_tokenizer(path: Path, eot: str | None = None) -> tuple[Tokenizer, 
     return tok, token
 
 
-def sample_texts(inputs: list[Input], split: DataConfig, sample_bytes: int) -> list[str]:
-    """Train-split documents for the BPE trainer: about sample_bytes / len(inputs) from the start of each file."""
+def train_on_sample(inputs: list[Input], split: DataConfig, vocab_size: int, sample_bytes: int) -> Tokenizer:
+    """data.py's byte-level BPE at `vocab_size`, trained on train-split documents: about sample_bytes / len(inputs)
+    from the start of each file."""
     share, texts = max(1, sample_bytes // max(1, len(inputs))), []
     for inp in inputs:
         taken = 0
@@ -75,9 +76,4 @@ def sample_texts(inputs: list[Input], split: DataConfig, sample_bytes: int) -> l
                 break
     if not texts:
         raise OptquantError("the corpus has no train-split text to train a tokenizer on")
-    return texts
-
-
-def train_on_sample(inputs: list[Input], split: DataConfig, vocab_size: int, sample_bytes: int) -> Tokenizer:
-    """data.py's byte-level BPE at `vocab_size`, trained on `sample_texts`."""
-    return train_tokenizer(sample_texts(inputs, split, sample_bytes), vocab_size)
+    return train_tokenizer(texts, vocab_size)

@@ -65,12 +65,8 @@ def _fit_with_intervals(
     d = check_points(pts, design)
     with one_blas_thread():
         fit = fit_design(d, cfg, starts(d))
-        if cfg.interval == "bootstrap":
-            intervals = bootstrap(pts, design, cfg, fit)
-        elif cfg.interval == "loo":
-            intervals = jackknife(pts, design, cfg, fit)
-        else:
-            intervals = {}
+        resample = {"bootstrap": bootstrap, "loo": jackknife}.get(cfg.interval)  # "none": no intervals
+        intervals = resample(pts, design, cfg, fit) if resample else {}
     if fit.at_bound:
         log.warning("scaling fit ended on the bound of %s", ", ".join(fit.at_bound))
     resampling = resampling_strata(pts)[0] if cfg.interval == "bootstrap" else ""

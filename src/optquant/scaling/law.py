@@ -88,19 +88,17 @@ class FitDiagnostics:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Self:
+        floats = {k: _float(d[k]) for k in ("residual_rms", "max_abs_correlation", "condition", "size_span")}
         return cls(
             names=tuple(d["names"]),
             residuals=tuple({k: _float(v) if k in ("predicted", "residual") else v for k, v in r.items()}
                             for r in d["residuals"]),
-            residual_rms=_float(d["residual_rms"]),
             correlation=tuple(tuple(_float(c) for c in row) for row in d["correlation"]),
-            max_abs_correlation=_float(d["max_abs_correlation"]),
-            condition=_float(d["condition"]),
             interval_width={k: _float(v) for k, v in d["interval_width"].items()},
             n_sizes=int(d["n_sizes"]),
-            size_span=_float(d["size_span"]),
             resampling=d["resampling"],
             reasons=dict(d["reasons"]),
+            **floats,
         )
 
 
