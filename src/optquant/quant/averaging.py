@@ -14,7 +14,9 @@ lawa-live (strength k): lawa with the current weights always the newest of the k
 with every step: the last k − 1 kept checkpoints and the current weights between two kept ones, the last k
 kept at a kept one. Its kept and final models are lawa's; what differs is where the average meets the
 Common Loss: lawa's average moves only at kept checkpoints, so it crosses the threshold late and below it,
-lawa-live's at the step it reaches it, as the plain run's does (the fine evaluations see it).
+lawa-live's moves with every step and is caught by the fine evaluations, except that one step after each kept
+checkpoint its oldest one leaves at once, a jump that grows with k (docs/robust-arm.md: k = 2 crossed at the
+plain runs' FP loss, k = 4 below it).
 
 What the run's evaluations see (the validation loss, so the Common-Loss crossing), its CL weights and its
 final weights are the average (`swapped`), so PTQ, outliers and ABC measure the averaged model and its FP

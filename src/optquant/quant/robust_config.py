@@ -38,7 +38,7 @@ class RobustConfig:
     lawa      evaluate and save the equal average of the last k kept checkpoints (every train.eval_every
               steps; `every` must stay 1); strength = k, a whole number ≥ 1
     lawa-live lawa with the current weights always the newest of the k (averaging.py): the same kept and
-              final models, and an average that meets the Common Loss at the step it reaches it
+              final models, and an average that moves with every step (and jumps as its oldest checkpoint leaves)
     """
 
     method: Literal["none", "penalty", "gain", "late-qat", "ema", "lawa", "lawa-live"] = "none"
