@@ -296,12 +296,10 @@ def _solve_group(model: nn.Module, pending: dict[str, nn.Module], hessians: dict
                  done: dict[str, QuantLinear]) -> None:
     """GPTQ of one captured group: the layers' weights stacked by rows (one column loop per weight format of a
     plan), then split back; a layer planned at 16 bits keeps its weight."""
-    names = list(hessians)
-    lins = [pending.pop(n) for n in names]
     H = next(iter(hessians.values()))
     by_spec: dict = {}
-    for name, lin in zip(names, lins, strict=True):
-        by_spec.setdefault(cfg.for_module(name).weight_spec, []).append((name, lin))
+    for name in hessians:
+        by_spec.setdefault(cfg.for_module(name).weight_spec, []).append((name, pending.pop(name)))
     for spec, members in by_spec.items():
         if spec is None:
             done.update((n, replace_module(model, n, rtn_linear(lin, cfg.for_module(n)))) for n, lin in members)
