@@ -15,9 +15,8 @@ name mean opposite things):
   is Scion's own rule applied to gains, and at 3e-3 it moves a gain as far per step as the Muon runs'
   AdamW does. "identity" reproduces upstream `norm_type=8`; "rms" is the library's bias LMO g/rms(g).
 
-The spectral LMO's Newton–Schulz runs in `ns_dtype` (optim/newton_schulz.py, shared with Muon): "bf16" is
-the library's choice and our step is then bitwise the library's; "fp32" is for CPUs without native bf16;
-"auto" (default) decides as `train.precision=auto` does.
+The spectral LMO's Newton–Schulz runs in `ns_dtype` (optim/newton_schulz.py, shared with Muon): in "bf16",
+the library's choice, our step is bitwise the library's.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from pytorch_optimizer import SCION
 from pytorch_optimizer.optimizer.scion import LMONorm, Norm, Spectral
 
 from optquant.optim.groups import LRGroup, ParamGroups
-from optquant.optim.newton_schulz import DTYPES, newton_schulz, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
+from optquant.optim.newton_schulz import DTYPES, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
 from optquant.ranges import Count, NonNegative, Positive, Probability
 
 GAIN_SIGN = 8  # the authors' norm_type for the vector group
@@ -56,11 +55,8 @@ class NewtonSchulzSpectral(Spectral):
         scale = math.sqrt(shape[0] / shape[1]) if self.normalize else math.sqrt(shape[0])
         return max(1.0, scale) if self.max_scale else scale
 
-    def _orthogonalize(self, g: torch.Tensor) -> torch.Tensor:
-        return newton_schulz(g, self.num_steps, self.dtype, memory_format=torch.contiguous_format)
-
     def lmo(self, grad: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-        return self._orthogonalize(grad.view(len(grad), -1)).view(grad.shape).mul_(self._scale(grad.shape))
+        return self.lmo_foreach([grad])[0]
 
     def lmo_foreach(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         mats = [g.reshape(g.size(0), -1) for g in grads]
