@@ -30,7 +30,7 @@ from pytorch_optimizer import SCION
 from pytorch_optimizer.optimizer.scion import LMONorm, Norm, Spectral
 
 from optquant.optim.groups import LRGroup, ParamGroups
-from optquant.optim.newton_schulz import DTYPES, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
+from optquant.optim.newton_schulz import DTYPES, newton_schulz, newton_schulz_many, resolve_ns_dtype, set_ns_dtype_
 from optquant.ranges import Count, NonNegative, Positive, Probability
 
 GAIN_SIGN = 8  # the authors' norm_type for the vector group
@@ -55,8 +55,12 @@ class NewtonSchulzSpectral(Spectral):
         scale = math.sqrt(shape[0] / shape[1]) if self.normalize else math.sqrt(shape[0])
         return max(1.0, scale) if self.max_scale else scale
 
+    def _orthogonalize(self, g: torch.Tensor) -> torch.Tensor:
+        return newton_schulz(g, self.num_steps, self.dtype, memory_format=torch.contiguous_format)
+
     def lmo(self, grad: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-        return self.lmo_foreach([grad])[0]
+        # not lmo_foreach([grad]): in bf16, mul_ by a float rounds unlike _foreach_mul_ (each path is the library's)
+        return self._orthogonalize(grad.view(len(grad), -1)).view(grad.shape).mul_(self._scale(grad.shape))
 
     def lmo_foreach(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         mats = [g.reshape(g.size(0), -1) for g in grads]
