@@ -181,9 +181,8 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
     if cfg.method == "gptq" and any(cfg.for_module(n).w_bits < OFF for n in names):
         del layers  # each FP linear is freed once its quantized one replaces it (quantize_unit_)
         _gptq_(model, names, cfg, calib)
-    else:
-        for name, lin in layers:
-            replace_module(model, name, rtn_linear(lin, cfg.for_module(name)))
+    else:  # RTN, as quantize_unit_ does it without calibration inputs
+        quantize_unit_(model, model, dict(layers), cfg)
     log.info("quantized %d linear layers with %s", len(names), cfg.name)
     return model
 
