@@ -161,11 +161,9 @@ def gram_factor(W: Tensor) -> Tensor:
     G = (G.triu() + G.triu(1).T).double() if W.device.type == "cpu" else G.double()
     L, info = torch.linalg.cholesky_ex(G)
     if info == 0:
-        R = L.T
-    else:
-        lam, U = torch.linalg.eigh(G)
-        R = lam.clamp_min(0).sqrt()[:, None] * U.T
-    return R.to(dtype)
+        return L.T.to(dtype)
+    lam, U = torch.linalg.eigh(G)
+    return (lam.clamp_min(0).sqrt()[:, None] * U.T).to(dtype)
 
 
 def _bias_free(m: nn.Module) -> bool:
