@@ -97,7 +97,7 @@ def test_capture_records_and_removes_hooks():
     assert set(acts.inputs) == {"0", "2"} and len(acts.inputs["0"]) == 2
     torch.testing.assert_close(acts.inputs["0"][0], x)
     torch.testing.assert_close(acts.outputs["2"][1], net(x))
-    torch.testing.assert_close(acts.cat("2"), torch.relu(net[0](x)).repeat(2, 1))
+    torch.testing.assert_close(torch.cat(acts.inputs["2"]), torch.relu(net[0](x)).repeat(2, 1))
     assert all(not m._forward_hooks for m in net.modules())
     seen = []
     with (
@@ -122,7 +122,7 @@ def test_outlier_metrics_stream_equals_direct():
         for b in batches:
             model(b)
     for r in rows:
-        x = acts_in.cat(r.name) if r.kind == "linear" else acts_out.cat(r.name, "outputs")
+        x = torch.cat(acts_in.inputs[r.name] if r.kind == "linear" else acts_out.outputs[r.name])
         assert r.tokens == 3 * 2 * 16 and r.channels == x.shape[-1]
         assert r.kurtosis == pytest.approx(kurtosis(x), rel=1e-7)
         assert r.kurt_rms == pytest.approx(kurt_rms(x), rel=1e-7)

@@ -18,11 +18,9 @@ from optquant.metrics.gains import gain_split
 from optquant.metrics.propagation import (
     PropagationConfig,
     abc_terms,
-    four_evals,
     propagation,
     propagation_of,
     ptq_pair,
-    shapley_split,
     summarize,
 )
 from optquant.model import LM, lm_loss, model_config
@@ -155,6 +153,8 @@ def test_linear_closed_forms():
     W, eW, eh, h, dh = _linear_case()
     f = lambda x: x @ W.T  # noqa: E731
     fq = lambda x: x @ (W + eW).T + eh  # noqa: E731
+    from propagation_reference import four_evals, shapley_split  # the fast walk forms a, b inside output_rows
+
     a, b = shapley_split(*four_evals(f, fq, h, h + dh))
     torch.testing.assert_close(a, dh @ (W + 0.5 * eW).T, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(b, (h + 0.5 * dh) @ eW.T + eh, rtol=1e-12, atol=1e-12)

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor, nn
 
 from optquant.errors import OptquantError
@@ -30,13 +29,6 @@ class Activations:
 
     inputs: dict[str, list[Tensor]] = field(default_factory=dict)
     outputs: dict[str, list[Tensor]] = field(default_factory=dict)
-
-    def cat(self, name: str, which: str = "inputs") -> Tensor:
-        """All recorded calls of `name` concatenated along dim 0 (the batch)."""
-        store = self.inputs if which == "inputs" else self.outputs
-        if not store.get(name):
-            raise OptquantError(f"capture recorded no {which} for module {name!r}")
-        return torch.cat(store[name], dim=0)
 
 
 def _named(model: nn.Module, modules) -> list[tuple[str, nn.Module]]:

@@ -30,7 +30,7 @@ from optquant.device import resident
 from optquant.errors import OptquantError
 from optquant.metrics.gains import rows2d, syrk
 from optquant.quant.layers import QuantLinear, linear_layers
-from optquant.quant.ptq import PTQConfig, _calib_batches, check_group_sizes, check_plan, quantize_unit_
+from optquant.quant.ptq import PTQConfig, _calib_batches, check_plan, quantize_unit_, quantized_layers
 
 GRAM_ROWS = 8192  # vocabulary rows per chunk of the head's Gram matrix
 
@@ -112,8 +112,7 @@ def quantized_links(model: nn.Module, qcfg: PTQConfig, cfg, calib: Iterable | No
     _check_lm(model)
     if qcfg.rotation != "none":
         raise OptquantError("quantized_links: rotate the FP model first (ptq_pair), then walk it unrotated")
-    layers = dict(linear_layers(model, skip=() if qcfg.quantize_head else ("lm_head",)))
-    check_group_sizes(list(layers.items()), qcfg)
+    layers = dict(quantized_layers(model, qcfg))
     check_plan(qcfg, list(layers))
     names = {id(m): n for n, m in model.named_modules()}
     gptq = qcfg.method == "gptq" and calib is not None
@@ -162,11 +161,9 @@ def gram_factor(W: Tensor) -> Tensor:
     G = (G.triu() + G.triu(1).T).double() if W.device.type == "cpu" else G.double()
     L, info = torch.linalg.cholesky_ex(G)
     if info == 0:
-        R = L.T
-    else:
-        lam, U = torch.linalg.eigh(G)
-        R = lam.clamp_min(0).sqrt()[:, None] * U.T
-    return R.to(dtype)
+        return L.T.to(dtype)
+    lam, U = torch.linalg.eigh(G)
+    return (lam.clamp_min(0).sqrt()[:, None] * U.T).to(dtype)
 
 
 def _bias_free(m: nn.Module) -> bool:

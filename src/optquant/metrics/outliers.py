@@ -209,9 +209,7 @@ def outlier_metrics(
     caller's). `skip` is passed to `linear_layers` and should match the PTQ config (lm_head unless
     `quantize_head`). Linear rows come first, then residual rows, each in forward order.
     """
-    sites: dict[str, tuple[str, nn.Module]] = {}
-    for name, m in linear_layers(model, skip=skip):
-        sites[f"linear:{name}"] = (name, m)
+    sites = {f"linear:{name}": (name, m) for name, m in linear_layers(model, skip=skip)}
     if residual:
         names = {id(m): n for n, m in model.named_modules()}
         for sub in model.sublayers():

@@ -19,18 +19,15 @@ module's evaluations; these also give the linear's f(h^q) and f^q(h) when it rea
 input (q/k/v, up), so only o and down are evaluated again.
 
 Cost: a module's four evaluations are two calls, f and f^q on h and h^q stacked; f^q is not called
-when it computes f, nor h^q passed when it equals h (the first module). The unquantized head, W·norm(x)
-with RᵀR = WᵀW, is not evaluated at all: ‖Wx‖ = ‖Rx‖ gives its rows from d-wide products.
-Memory: the walk goes module by module over all batches (metrics/chain.py), holding the two streams of
-every batch and one module's sums; `propagation_of(model, qcfg, ...)` holds the FP model once and
-makes each quantized sublayer as it is reached (sharing all but its quantized linears), so the analysis
-of a model needs its weights plus one sublayer, not three copies. A 16-bit model stays in its dtype: its
-evaluations run in it, the bookkeeping in fp32 (`rows2d`) with fp64 sums. The bookkeeping
-(a, b, ΔH, Gram matrices, spectral norms) computes in the model's dtype, fp32 for an fp32 model, and
-sums over rows and batches in fp64: a difference of two outputs is rounded relative to itself, so the
-terms agree with fp64 arithmetic to ~1e-7 (G1, G2 ~3e-7, through fp32 eigenvalues); an fp64 model gives
-the fp64 numbers. Linear rows add ‖MΔH‖² (below) per batch, as ⟨ΔHᵀΔH, MᵀM⟩ when in ≤ out (q/k/v share
-ΔHᵀΔH), and two spectral norms per layer; ‖WH‖² is the linear's own ‖f(h)‖².
+when it computes f, nor h^q passed when it equals h (the first module), nor an unquantized head at all (its
+rows come from d-wide products, metrics/chain.py). Linear rows add ‖MΔH‖² (below) per batch, as ⟨ΔHᵀΔH, MᵀM⟩
+when in ≤ out (q/k/v share ΔHᵀΔH), and two spectral norms per layer; ‖WH‖² is the linear's own ‖f(h)‖².
+Memory: the walk goes module by module over all batches, holding the two streams of every batch and one
+module's sums; `propagation_of` holds the FP model once and one quantized sublayer at a time (chain.py).
+Precision: evaluations run in the model's dtype, the bookkeeping (a, b, ΔH, Gram matrices, spectral norms)
+too or in fp32 for a 16-bit model (`rows2d`), with sums over rows and batches in fp64: a difference of two
+outputs is rounded relative to itself, so an fp32 model's terms agree with fp64 arithmetic to ~1e-7 (G1, G2
+~3e-7, through fp32 eigenvalues); an fp64 model gives the fp64 numbers.
 
 Norms: `token` (default) takes each ratio per token vector and averages over tokens ([3P]); `tensor`
 takes one Frobenius norm over all tokens. Both are always computed (rows carry `norm`); A+B+C = R holds
@@ -125,16 +122,6 @@ class ABCSummary:
     mean_G2: float
 
 
-def shapley_split(y_ff: Tensor, y_fq: Tensor, y_qf: Tensor, y_qq: Tensor) -> tuple[Tensor, Tensor]:
-    """(a, b) in fp64 from f(h), f(h^q), f^q(h), f^q(h^q); a + b = f^q(h^q) − f(h)."""
-    ff, fq, qf, qq = (y.double() for y in (y_ff, y_fq, y_qf, y_qq))
-    return 0.5 * ((qq - qf) + (fq - ff)), 0.5 * ((qq - fq) + (qf - ff))
-
-
-def four_evals(f: Callable, fq: Callable, h: Tensor, hq: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return f(h), f(hq), fq(h), fq(hq)
-
-
 def _sq(x: Tensor) -> Tensor:
     """Per-row squared norm of a 2-D tensor, as fp64 for the sums over rows."""
     return torch.linalg.vector_norm(x, dim=-1).double().square()
@@ -143,10 +130,9 @@ def _sq(x: Tensor) -> Tensor:
 def output_rows(ys: tuple[Tensor, Tensor, Tensor, Tensor]) -> dict[str, Tensor]:
     """Per-row ‖y‖², ‖a‖², ‖b‖², 2⟨a,b⟩ and ‖Δy‖² = ‖a + b‖² (fp64) from f(h), f(h^q), f^q(h), f^q(h^q).
 
-    With u = qq − ff (= Δy) and v = fq − qf, the Shapley terms of `shapley_split` are a = ½(u + v) and
-    b = ½(u − v). They are formed in the outputs' dtype (an fp32 pass moves half the bytes of an fp64
-    one): a difference is rounded relative to itself, so in an fp32 model the terms agree with fp64
-    arithmetic to ~1e-7. ‖Δy‖² is summed as ‖a‖² + ‖b‖² + 2⟨a,b⟩, so R = A + B + C to fp64 rounding."""
+    With u = qq − ff (= Δy) and v = fq − qf, the Shapley terms (§7.2) are a = ½(u + v) and b = ½(u − v), formed
+    in the outputs' dtype (an fp32 pass moves half the bytes of an fp64 one; its precision: module docstring).
+    ‖Δy‖² is summed as ‖a‖² + ‖b‖² + 2⟨a,b⟩, so R = A + B + C to fp64 rounding."""
     ff, fq, qf, qq = (rows2d(y) for y in ys)
     u = qq - ff
     if qf is ff and qq is fq:  # f^q = f (e.g. an unquantized head): v = u, a = Δy, b = 0
@@ -231,7 +217,7 @@ class _Sums:
 def abc_terms(f: Callable, fq: Callable, h: Tensor, hq: Tensor, norm: Norm = "token") -> dict[str, float]:
     """R, A, B, C, R_in and G = A/R_in of one module f (FP) / fq (quantized) on inputs h, hq."""
     s = _Sums()
-    s.add_rows(_Input(h, hq).rows, output_rows(four_evals(f, fq, h, hq)))
+    s.add_rows(_Input(h, hq).rows, output_rows((f(h), f(hq), fq(h), fq(hq))))
     t = s.terms(norm)
     return t | {"G": ratio(t["A"], t["R_in"])}
 

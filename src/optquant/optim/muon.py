@@ -14,9 +14,8 @@ search moves both and a study can search the ratio (study/tuning.py). The schedu
 like the authors' scheduler.
 Left out: Muon's distributed variant (the authors ran the single-device one).
 
-Newton–Schulz runs in `ns_dtype`: "bf16" is torch's (and the authors') choice, and with it our step is
-bitwise `torch.optim.Muon`'s (tests/test_optim.py); "fp32" iterates in fp32, for CPUs where bf16 matmuls
-are emulated (far slower; docs/benchmarks.md); "auto" (default) picks between them as `train.precision=auto` does.
+Newton–Schulz runs in `ns_dtype` (optim/newton_schulz.py, shared with Scion): in "bf16", torch's (and the
+authors') choice, our step is bitwise `torch.optim.Muon`'s (tests/test_optim.py).
 """
 
 from __future__ import annotations

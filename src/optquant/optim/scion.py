@@ -15,9 +15,8 @@ name mean opposite things):
   is Scion's own rule applied to gains, and at 3e-3 it moves a gain as far per step as the Muon runs'
   AdamW does. "identity" reproduces upstream `norm_type=8`; "rms" is the library's bias LMO g/rms(g).
 
-The spectral LMO's Newton–Schulz runs in `ns_dtype` (optim/newton_schulz.py, shared with Muon): "bf16" is
-the library's choice and our step is then bitwise the library's; "fp32" is for CPUs without native bf16;
-"auto" (default) decides as `train.precision=auto` does.
+The spectral LMO's Newton–Schulz runs in `ns_dtype` (optim/newton_schulz.py, shared with Muon): in "bf16",
+the library's choice, our step is bitwise the library's.
 """
 
 from __future__ import annotations
@@ -60,6 +59,7 @@ class NewtonSchulzSpectral(Spectral):
         return newton_schulz(g, self.num_steps, self.dtype, memory_format=torch.contiguous_format)
 
     def lmo(self, grad: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+        # not lmo_foreach([grad]): in bf16, mul_ by a float rounds unlike _foreach_mul_ (each path is the library's)
         return self._orthogonalize(grad.view(len(grad), -1)).view(grad.shape).mul_(self._scale(grad.shape))
 
     def lmo_foreach(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:

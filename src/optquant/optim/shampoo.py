@@ -66,13 +66,9 @@ def block_views(t: Tensor, max_dim: int) -> list[Tensor]:
 
 
 def shampoo_blocks(shape: tuple[int, ...], max_dim: int) -> list[tuple[int, ...]]:
-    """The block shapes of `block_views`, from the shape alone (for the planner's state bytes)."""
-    squeezed = [d for d in shape if d != 1] or [1]
-    blocks = [tuple(squeezed)]
-    for dim in range(len(squeezed)):
-        blocks = [(*b[:dim], m, *b[dim + 1:]) for b in blocks
-                  for m in [max_dim] * (b[dim] // max_dim) + ([b[dim] % max_dim] if b[dim] % max_dim else [])]
-    return blocks
+    """The block shapes of `block_views`, from the shape alone (for the planner's state bytes): its views of a
+    meta tensor, which holds no data."""
+    return [tuple(b.shape) for b in block_views(torch.empty(shape, device="meta"), max_dim)]
 
 
 def update_factors_(factors: list[Tensor], g: Tensor, beta2: float) -> None:
@@ -176,11 +172,9 @@ def shampoo_update(p: Tensor, grad: Tensor, state: dict, group: dict) -> Tensor:
         state["roots"],
         strict=True,
     )
-    for out, m, a, roots in pieces:
-        if adam is not None and (t < start or not roots):  # before the first roots / unpreconditioned 1-D
+    for out, m, a, roots in pieces:  # a is m without grafting
+        if not roots or (adam is not None and t < start):  # unpreconditioned 1-D / Adam before the first roots
             out.copy_(a)
-        elif not roots:
-            out.copy_(m)
         else:
             out.copy_(graft(precondition(m, roots), a) if adam is not None else precondition(m, roots))
     if group["weight_decay"] != 0:

@@ -74,9 +74,8 @@ def _static_params(W: Tensor, spec: QuantSpec, amax: Tensor | None) -> tuple[Ten
     scale, zero = quant_params(group_rows(W, block), spec, amax)
     if block <= 0:  # one group: per row (rows, 1), or per tensor (1, 1)
         return scale, zero, torch.zeros(cols, dtype=torch.long, device=W.device)
-    n_groups = -(-cols // block)
     col_group = torch.arange(cols, device=W.device) // block
-    return scale.reshape(rows, n_groups), zero.reshape(rows, n_groups), col_group
+    return scale.reshape(rows, -1), zero.reshape(rows, -1), col_group
 
 
 def gptq_quantize(

@@ -44,13 +44,8 @@ def linear_layers(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> lis
     """(name, layer) of every nn.Linear or QuantLinear, in registration order, except those whose
     name is, or ends with "." + , an entry of `skip`. For optquant models registration order is forward
     order (llama's up_proj is listed before gate_proj; both read the same input)."""
-
-    def skipped(name: str) -> bool:
-        return any(name == s or name.endswith("." + s) for s in skip)
-
-    return [
-        (n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear | QuantLinear) and not skipped(n)
-    ]
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, nn.Linear | QuantLinear) and not any(n == s or n.endswith("." + s) for s in skip)]
 
 
 def model_name(name: str) -> str:

@@ -179,11 +179,10 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
     names = [n for n, _ in layers]
     check_plan(cfg, names)
     if cfg.method == "gptq" and any(cfg.for_module(n).w_bits < OFF for n in names):
-        del layers  # each FP linear is freed once its quantized one replaces it: no second copy of the model
+        del layers  # each FP linear is freed once its quantized one replaces it (quantize_unit_)
         _gptq_(model, names, cfg, calib)
-    else:
-        for name, lin in layers:
-            replace_module(model, name, rtn_linear(lin, cfg.for_module(name)))
+    else:  # RTN, as quantize_unit_ does it without calibration inputs
+        quantize_unit_(model, model, dict(layers), cfg)
     log.info("quantized %d linear layers with %s", len(names), cfg.name)
     return model
 
@@ -296,12 +295,10 @@ def _solve_group(model: nn.Module, pending: dict[str, nn.Module], hessians: dict
                  done: dict[str, QuantLinear]) -> None:
     """GPTQ of one captured group: the layers' weights stacked by rows (one column loop per weight format of a
     plan), then split back; a layer planned at 16 bits keeps its weight."""
-    names = list(hessians)
-    lins = [pending.pop(n) for n in names]
     H = next(iter(hessians.values()))
     by_spec: dict = {}
-    for name, lin in zip(names, lins, strict=True):
-        by_spec.setdefault(cfg.for_module(name).weight_spec, []).append((name, lin))
+    for name in hessians:
+        by_spec.setdefault(cfg.for_module(name).weight_spec, []).append((name, pending.pop(name)))
     for spec, members in by_spec.items():
         if spec is None:
             done.update((n, replace_module(model, n, rtn_linear(lin, cfg.for_module(n)))) for n, lin in members)
@@ -316,65 +313,53 @@ def _solve_group(model: nn.Module, pending: dict[str, nn.Module], hessians: dict
                 log.debug("GPTQ quantized %s", name)
 
 
-def _rtn_rest(root: nn.Module, pending: dict[str, nn.Module], done: dict[str, QuantLinear], cfg: PTQConfig) -> None:
-    if pending:
-        log.warning("GPTQ: %d layers never ran on the calibration data; using RTN", len(pending))
-        done.update((n, replace_module(root, n, rtn_linear(lin, cfg.for_module(n)))) for n, lin in pending.items())
-
-
-def _acts_on(done: dict[str, QuantLinear], cfg: PTQConfig) -> None:
-    for name, layer in done.items():  # activations stayed FP during calibration; switch their quantizers on now
-        layer.act = cfg.for_module(name).act_spec
-
-
-def _chain_units(model: nn.Module, pending: dict[str, nn.Module]) -> list[tuple]:
-    """(unit, its pending layers) of a chain model: each residual sublayer, then the head (norm + LM
-    head); empty for other module trees, or when a pending layer lies outside every unit."""
+def _chain_units(model: nn.Module, names: list[str]) -> list[tuple]:
+    """(unit, the names of its layers) of a chain model: each residual sublayer, then the head (norm + LM
+    head); empty for other module trees, or when a layer lies outside every unit."""
     if not all(hasattr(model, a) for a in ("embed", "sublayers", "head")):
         return []
     where = {id(m): n for n, m in model.named_modules()}
     prefixes = [where[id(sub)] + "." for sub in model.sublayers()] + ["norm.", "lm_head"]
-    units = [(sub, {}) for sub in model.sublayers()] + [(model.head, {})]
-    for name, lin in pending.items():
+    units = [(sub, []) for sub in model.sublayers()] + [(model.head, [])]
+    for name in names:
         i = next((i for i, p in enumerate(prefixes) if name == p or name.startswith(p)), None)
         if i is None:
             return []
-        units[min(i, len(units) - 1)][1][name] = lin
+        units[min(i, len(units) - 1)][1].append(name)
     return units
 
 
 @torch.no_grad()
 def quantize_unit_(root: nn.Module, unit, layers: dict[str, nn.Module], cfg: PTQConfig,
                    xs: list[Tensor] | None = None, outputs: bool = True) -> list[Tensor] | None:
-    """Quantize `layers` (named as in `root`) of one chain unit (a callable that runs them) in place: RTN,
-    or GPTQ from the unit's calibration inputs `xs` in true-sequential groups. Returns the unit's outputs
-    on `xs`, its weights quantized and activations not (the next unit's calibration inputs; None without
-    `xs` or `outputs`). Afterwards the activation quantizers are on."""
+    """Quantize `layers` (named as in `root`) of one chain unit (a callable that runs them; or the whole model)
+    in place: RTN, or GPTQ from the unit's calibration inputs `xs` in true-sequential groups, which empties
+    `layers` as it goes (each FP linear is freed once its quantized one replaces it: no second copy of the
+    model). Returns the unit's outputs on `xs`, its weights quantized and activations not (the next unit's
+    calibration inputs; None without `xs` or `outputs`). Afterwards the activation quantizers are on."""
     if cfg.method != "gptq" or all(cfg.for_module(n).w_bits >= OFF for n in layers) or xs is None:
         for name, lin in layers.items():
             replace_module(root, name, rtn_linear(lin, cfg.for_module(name)))
         return [unit(x) for x in xs] if xs is not None and outputs else None
-    pending, done = dict(layers), {}
+    pending, done = layers, {}
     while pending and (hessians := _capture_group(unit, pending, xs)):
         _solve_group(root, pending, hessians, cfg, done)
-    _rtn_rest(root, pending, done, cfg)
+    if pending:
+        log.warning("GPTQ: %d layers never ran on the calibration data; using RTN", len(pending))
+        done.update((n, replace_module(root, n, rtn_linear(lin, cfg.for_module(n)))) for n, lin in pending.items())
     ys = [unit(x) for x in xs] if outputs else None
-    _acts_on(done, cfg)
+    for name, layer in done.items():  # activations stayed FP during calibration; switch their quantizers on now
+        layer.act = cfg.for_module(name).act_spec
     return ys
 
 
 def _gptq_(model: nn.Module, names: list[str], cfg: PTQConfig, calib) -> None:
     batches = _calib_batches(calib, cfg.n_calib, next(model.parameters()).device)
-    units = [(unit, list(mine)) for unit, mine in _chain_units(model, {n: model.get_submodule(n) for n in names})]
-    if units:  # each unit's inputs cached, moved through the model once; its layers looked up when reached
-        xs = [model.embed(b) for b in batches]
-        for i, (unit, mine) in enumerate(units):
-            layers = {n: model.get_submodule(n) for n in mine}
-            xs = quantize_unit_(model, unit, layers, cfg, xs, outputs=any(m for _, m in units[i + 1 :]))
-            del layers
+    units = _chain_units(model, names)
+    if not units:  # another module tree: the whole model is the one unit, run from its inputs
+        quantize_unit_(model, model, {n: model.get_submodule(n) for n in names}, cfg, batches, outputs=False)
         return
-    pending, done = {n: model.get_submodule(n) for n in names}, {}
-    while pending and (hessians := _capture_group(model, pending, batches)):
-        _solve_group(model, pending, hessians, cfg, done)
-    _rtn_rest(model, pending, done, cfg)
-    _acts_on(done, cfg)
+    xs = [model.embed(b) for b in batches]  # each unit's inputs cached, moved through the model once
+    for i, (unit, mine) in enumerate(units):  # a unit's layers looked up when it is reached
+        xs = quantize_unit_(model, unit, {n: model.get_submodule(n) for n in mine}, cfg, xs,
+                            outputs=any(m for _, m in units[i + 1 :]))

@@ -41,14 +41,17 @@ from optquant.quant.qat_config import QAT_METHODS, QATConfig
 
 log = logging.getLogger(__name__)
 
-def _half_cells(c: float, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Positive levels q_k = (2k−1)·c/(2^b−1) and their Voronoi cells [a_k, b_k) (the last one open)."""
+def _half_cells(c: float, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Positive levels q_k = (2k−1)·c/(2^b−1), their Voronoi cells [a_k, b_k) (the last one open) and the cells'
+    N(0, 1) mass."""
+    from scipy.special import ndtr
+
     n = 2**bits
     alpha = np.arange(1, n, 2) / (n - 1)  # q_k / c
     step = 2 * c / (n - 1)
     lo = np.arange(n // 2) * step
     hi = np.append(lo[1:], np.inf)
-    return alpha, lo, hi
+    return alpha, lo, hi, ndtr(-lo) - ndtr(-hi)  # upper tails: no cancellation far out
 
 
 def _pdf(x: np.ndarray) -> np.ndarray:
@@ -58,11 +61,8 @@ def _pdf(x: np.ndarray) -> np.ndarray:
 def gaussian_mse(c: float, bits: int) -> float:
     """E[(X − x̂)²] for X ~ N(0, 1) on the QuEST grid with clip scale c: rounding and clipping error,
     integrated exactly over each level's cell (∫(x−q)²φ = (1+q²)Φ + (2q−x)φ), both signs by symmetry."""
-    from scipy.special import ndtr
-
-    alpha, lo, hi = _half_cells(c, bits)
+    alpha, lo, hi, mass = _half_cells(c, bits)
     q = alpha * c
-    mass = ndtr(-lo) - ndtr(-hi)  # upper tails: no cancellation far out
     hi_term = (2 * q - np.where(np.isinf(hi), 0.0, hi)) * _pdf(hi)  # φ(∞) = 0
     return float(2 * np.sum((1 + q * q) * mass + hi_term - (2 * q - lo) * _pdf(lo)))
 
@@ -70,10 +70,7 @@ def gaussian_mse(c: float, bits: int) -> float:
 def _mse_slope(c: float, bits: int) -> float:
     """−¼·dMSE/dc. Moving c moves every level q_k = α_k·c; the cell edges move too, but they sit
     midway between levels, where both neighbours' errors are equal, so they contribute nothing."""
-    from scipy.special import ndtr
-
-    alpha, lo, hi = _half_cells(c, bits)
-    mass = ndtr(-lo) - ndtr(-hi)
+    alpha, lo, hi, mass = _half_cells(c, bits)
     first_moment = _pdf(lo) - _pdf(hi)  # ∫ x φ over the cell
     return float(np.sum(alpha * (first_moment - alpha * c * mass)))
 

@@ -37,10 +37,9 @@ swaps the layers in place, keeping their Parameters, so the optimizers and their
 (Liu et al. 2025, arXiv 2502.02631) finds most of the budget in FP and the last ~10 % in QAT close to
 best. Evaluations after s measure the quantized model, as a QAT run's do. Cost: a QuEST step from s on.
 
-ema and lawa (averaging.py): the run evaluates and saves an average of its weights; the average is the
-only state a method keeps across steps, checkpointed beside the raw weights (`state`/`load`). The other
-methods' decisions follow from the step number and the weights, so their checkpoints need nothing new.
-A resumed run is bitwise the straight one with every method. Left out on purpose: the
+ema and lawa: averaging.py, whose average is the only state a method keeps across steps (checkpointed beside
+the raw weights); the others' decisions follow from the step number and the weights, so a resumed run is
+bitwise the straight one with every method. Left out on purpose: the
 penalty's Σ_ℓ A_ℓ variant (four evaluations per module instead of two forwards); penalty and gain under
 torchrun (the penalty's forwards bypass DDP, the gain's Grams would need an all-reduce), and late QAT under
 torch.compile or torchrun (it should work, as the Parameters stay, but no test runs it); combining methods.

@@ -118,9 +118,7 @@ def make_rotation(
     b = largest_pow2_divisor(n)
     if b < 16:
         log.warning("width %d has Hadamard block %d: outliers spread over only %d channels", n, b, b)
-    signs = None
-    if kind == "random":
-        signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.float64) * 2 - 1
+    signs = torch.randint(0, 2, (n,), generator=generator, dtype=torch.float64) * 2 - 1 if kind == "random" else None
     return OnlineHadamard(n, signs)
 
 
@@ -190,23 +188,10 @@ def rotate_head_(model: LM, Q: Tensor) -> None:
 
 
 def rotate_inputs_(residual: Residual, Q: Tensor) -> None:
-    """q/k/v (attention) or up/gate (MLP) read the rotated stream: W → W·Q. Outputs stay put."""
+    """q/k/v (attention) or up/gate (MLP) read the rotated stream: W → W·Q. Their outputs (heads, QK-norm,
+    RoPE) stay put."""
     for linear in _input_linears(residual):
         _fold_(linear, right=Q)
-
-
-def rotate_attention_inputs_(residual: Residual, Q: Tensor) -> None:
-    """W → W·Q for q/k/v; their outputs (heads, QK-norm, RoPE) are untouched."""
-    if not _is_attention(residual.inner):
-        raise OptquantError("rotate_attention_inputs_ expects an attention sublayer")
-    rotate_inputs_(residual, Q)
-
-
-def rotate_mlp_inputs_(residual: Residual, Q: Tensor) -> None:
-    """W → W·Q for up (and gate)."""
-    if _is_attention(residual.inner):
-        raise OptquantError("rotate_mlp_inputs_ expects an MLP sublayer")
-    rotate_inputs_(residual, Q)
 
 
 def online_hadamard_(parent: nn.Module, name: str, rot: OnlineHadamard) -> Rotated:
@@ -233,10 +218,6 @@ def rotate_sublayer_output_(residual: Residual, rot_q: OnlineHadamard) -> None:
         _fold_(_output_linear(residual), left=rot_q.matrix().T)
 
 
-def _is_rotated(model: LM) -> bool:
-    return any(isinstance(m, Rotated | RotatedNorm) for m in model.modules())
-
-
 def rotate_model_(model: LM, kind: RotationKind = "hadamard", seed: int = 0) -> LM:
     """Rotate `model` in place (QuaRot-style; see the module docstring). Same FP logits up to rounding.
 
@@ -246,7 +227,7 @@ def rotate_model_(model: LM, kind: RotationKind = "hadamard", seed: int = 0) -> 
     """
     if kind == "none":
         return model
-    if _is_rotated(model):
+    if any(isinstance(m, Rotated | RotatedNorm) for m in model.modules()):
         raise OptquantError("model is already rotated")
     if torch.is_autocast_enabled(model.embed.weight.device.type):
         # autocast caches its casts of the weights until the region exits: in-place edits go unseen
@@ -260,10 +241,10 @@ def rotate_model_(model: LM, kind: RotationKind = "hadamard", seed: int = 0) -> 
     rotate_embedding_(model, Q)
     rotate_head_(model, Q)
     for block in model.blocks:
-        rotate_attention_inputs_(block.attn, Q)
+        rotate_inputs_(block.attn, Q)
         online_hadamard_(block.attn.inner, "o_proj", make_rotation(block.attn.inner.o_proj.in_features))
         rotate_sublayer_output_(block.attn, copy.deepcopy(rot_q))
-        rotate_mlp_inputs_(block.mlp, Q)
+        rotate_inputs_(block.mlp, Q)
         online_hadamard_(block.mlp.inner, "down_proj", make_rotation(block.mlp.inner.down_proj.in_features))
         rotate_sublayer_output_(block.mlp, copy.deepcopy(rot_q))
     log.info("rotated %s model: kind=%s, D=%d (block %d)", model.cfg.arch, kind, rot_q.n, rot_q.block)
