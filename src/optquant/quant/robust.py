@@ -37,7 +37,7 @@ swaps the layers in place, keeping their Parameters, so the optimizers and their
 (Liu et al. 2025, arXiv 2502.02631) finds most of the budget in FP and the last ~10 % in QAT close to
 best. Evaluations after s measure the quantized model, as a QAT run's do. Cost: a QuEST step from s on.
 
-ema and lawa: averaging.py, whose average is the only state a method keeps across steps (checkpointed beside
+ema, lawa and lawa-live: averaging.py, whose average is the only state a method keeps across steps (checkpointed beside
 the raw weights); the others' decisions follow from the step number and the weights, so a resumed run is
 bitwise the straight one with every method. Left out on purpose: the
 penalty's Σ_ℓ A_ℓ variant (four evaluations per module instead of two forwards); penalty and gain under
