@@ -107,10 +107,8 @@ def _cells(df: pd.DataFrame, scheme: str) -> list[dict]:
     """One dict per (optimizer, arm) with the paired tests and ratios of its row."""
     out = []
     for opt in sorted(df["optimizer"].unique()):
+        get = partial(_series, df, opt=opt)  # (arm, weights, scheme, metric) → that optimizer's series
         for arm in sorted(a for a in df["arm"].unique() if a != "none"):
-            def get(arm_: str, w: str, sc: str, m: str, opt: str = opt) -> pd.Series:
-                return _series(df, arm_, w, sc, m, opt)
-
             dmg, base = get(arm, "cl", scheme, "delta_val_loss"), get("none", "cl", scheme, "delta_val_loss")
             both = base.index.intersection(dmg.index)
             fp = paired_test(get(arm, "final", scheme, "val_loss_fp"), get("none", "final", scheme, "val_loss_fp"))
@@ -142,12 +140,9 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
             "Δ FP loss at the CL [95 % CI]", "Δ final FP loss [95 % CI]", "p_Holm FP", "step time ×", "R_L change",
             "CL reached",
             "n for −30 %")
-    rows = tuple((c["opt"], c["arm"], str(c["test"].n),
-                  f"{_fmt(c['test'].mean_diff)} [{_fmt(c['test'].lo)}, {_fmt(c['test'].hi)}]",
-                  _pct(c['change']), f"{c['test'].p:.3g}", f"{c['test_holm']:.3g}",
-                  _ci(c["at_cl"]), _ci(c["fp"]), f"{c['fp_holm']:.3g}",
-                  f"{fmt(c['cost'], 2)}×", _pct(c['rl']), c["reached"],
-                  str(c["needed"] or "–")) for c in cells)
+    rows = tuple((c["opt"], c["arm"], str(c["test"].n), _ci(c["test"]), _pct(c['change']), f"{c['test'].p:.3g}",
+                  f"{c['test_holm']:.3g}", _ci(c["at_cl"]), _ci(c["fp"]), f"{c['fp_holm']:.3g}",
+                  f"{fmt(c['cost'], 2)}×", _pct(c['rl']), c["reached"], str(c["needed"] or "–")) for c in cells)
     caption = (f"{ROBUST_FILE}: Δ val loss under {scheme} at the Common Loss, paired over (size, seed) with the same "
                f"optimizer's plain best-LR run; exact sign-flip p, Holm over the {len(cells)} cells of each column "
                "(α = 0.05); the smallest attainable p is 2/2ⁿ. Δ FP loss at the CL: the two models compared are at "
@@ -263,8 +258,7 @@ def decay_table(df: pd.DataFrame, scheme: str, spec: StudySpec | None) -> Table 
                                100 * t.mean_diff / base if base > 0 else math.nan))
     ps = holm([t.p for _, t, _, _ in paired]) if paired else []
     for (row, t, f, change), p in zip(paired, ps, strict=True):
-        row[4:] = [f"{_fmt(t.mean_diff)} [{_fmt(t.lo)}, {_fmt(t.hi)}]", _pct(change), f"{t.p:.3g}",
-                   f"{p:.3g}", f"{_fmt(f.mean_diff)} [{_fmt(f.lo)}, {_fmt(f.hi)}]"]
+        row[4:] = [_ci(t), _pct(change), f"{t.p:.3g}", f"{p:.3g}", _ci(f)]
     up = sum(p < ALPHA and t.mean_diff > 0 for (_, t, _, _), p in zip(paired, ps, strict=True))
     cols = ("optimizer", "decay (fraction of steps)", "n", "final damage [95 % CI]", "Δ damage vs ref. [95 % CI]",
             "change", "p", "p_Holm", "Δ final FP loss vs ref. [95 % CI]")
