@@ -171,15 +171,11 @@ def verdict(cells: list[dict]) -> str:
         cut = c["test_holm"] < ALPHA and c["test"].mean_diff < 0
         fp_ok = not (c["fp_holm"] < ALPHA and c["fp"].mean_diff > 0)
         equal = c["at_cl_holm"] >= ALPHA
-        if not equal:
-            unequal[c["arm"]].append(label(c["opt"]))
         size_ok = cut and equal and c["change"] <= GOAL[0] and c["cost"] <= GOAL[1]
-        if size_ok:
-            at_cl_goal[c["arm"]].append(label(c["opt"]))
-        if cut and equal and fp_ok:
-            good[c["arm"]].append(label(c["opt"]))
-            if size_ok:
-                goal[c["arm"]].append(label(c["opt"]))
+        for names, ok in ((unequal, not equal), (at_cl_goal, size_ok), (good, cut and equal and fp_ok),
+                          (goal, size_ok and fp_ok)):
+            if ok:
+                names[c["arm"]].append(label(c["opt"]))
     n_opt = len({c["opt"] for c in cells})
     parts = [f"{arm}: {'every optimizer' if len(o) == n_opt else ', '.join(o) if o else 'no optimizer'}"
              for arm, o in good.items()]
@@ -313,10 +309,9 @@ def robust_section(root: Path, fig_dir: Path) -> Section:
         return Section("robust", "Robust training", intro, (not_run("robust", "Robustness", "no CL rows"),))
     table, cells = robustness_table(df, schemes[0])
     table = Table(table.key, table.title, table.columns, table.rows, f"{table.caption} Verdict: {verdict(cells)}")
-    decay = decay_table(df, schemes[0], spec)
     return Section("robust", "Robust training", intro,
-                   (table, *filter(None, [decay]), scheme_table(df, schemes), ranking_table(df, schemes[0]),
-                    *plan, fig_pareto(df, schemes[0], fig_dir)))
+                   (table, *filter(None, [decay_table(df, schemes[0], spec)]), scheme_table(df, schemes),
+                    ranking_table(df, schemes[0]), *plan, fig_pareto(df, schemes[0], fig_dir)))
 
 
 def damage_scheme(spec: StudySpec | None, schemes: list[str], results: pd.DataFrame) -> str | None:
