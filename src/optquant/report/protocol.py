@@ -116,15 +116,10 @@ def cost_table(d: StudyData) -> Table:
         return not_run("cost", title, "no kind=fp rows with metric mean_step_seconds")
     mem, tps = d.cell("fp", "optimizer_state_bytes"), d.cell("fp", "tokens_per_s")
     ns = d.summary_values("fp", "mean_step_seconds", "ns_dtype")  # Muon's/Scion's Newton–Schulz dtype
-    rows = []
-    for s in d.sizes:
-        for o in d.optimizers:
-            if (s, o) not in step:
-                continue
-            rows.append((d.size_label(s), d.label(o), fmt(step[(s, o)], 4),
-                         _ratio(step[(s, o)], step.get((s, "adamw"))), f"{tps[(s, o)]:,.0f}" if (s, o) in tps else "–",
-                         fmt_bytes(mem.get((s, o))),
-                         _ratio(mem.get((s, o)), mem.get((s, "adamw"))), ns.get((s, o), "–")))  # fmt: skip
+    rows = [(d.size_label(s), d.label(o), fmt(step[(s, o)], 4), _ratio(step[(s, o)], step.get((s, "adamw"))),
+             f"{tps[(s, o)]:,.0f}" if (s, o) in tps else "–", fmt_bytes(mem.get((s, o))),
+             _ratio(mem.get((s, o)), mem.get((s, "adamw"))), ns.get((s, o), "–"))
+            for s in d.sizes for o in d.optimizers if (s, o) in step]
     caption = (
         "From results.parquet: kind=fp, metrics mean_step_seconds, tokens_per_s, optimizer_state_bytes, "
         "averaged over all of the (optimizer, size)'s LR-sweep runs. Timings are on the study's hardware. "

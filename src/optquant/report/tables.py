@@ -248,14 +248,11 @@ def outlier_table(d: StudyData) -> Table:
 
 # ---------------------------------------------------------------- paper side tables
 def paper_table(grid: PaperGrid, key: str) -> Table:
-    rows = []
-    for s in grid.sizes:
-        cells = []
-        for o in grid.optimizers:
-            v = grid.get(s, o)
-            note = grid.notes.get((s, o))
-            cells.append("n/a" if v is None else f"{v:.{grid.digits.get(s, 2)}f}{note or ''}")
-        rows.append((s, *cells))
+    def cell(s: str, o: str) -> str:
+        v = grid.get(s, o)
+        return "n/a" if v is None else f"{v:.{grid.digits.get(s, 2)}f}{grid.notes.get((s, o), '')}"
+
+    rows = [(s, *(cell(s, o) for o in grid.optimizers)) for s in grid.sizes]
     caption = f"paper, {grid.sources}. Unit: {grid.unit or 'as named'}. {grid.footnote}".strip()
     cols = ("paper" if grid.unit else "quantity", *grid.optimizers)
     return Table(key, f"paper — {grid.title}", cols, tuple(rows), caption, paper=True)
