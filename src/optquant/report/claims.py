@@ -222,10 +222,7 @@ def _gain_rank(d: StudyData, high: str, low: tuple[str, ...]) -> Check:
 
 
 def _sole_best(r: Ranking) -> str | None:
-    for o in r.rank:
-        if all(r.better(o, x) for x in r.rank if x != o):
-            return o
-    return None
+    return next((o for o in r.rank if all(r.better(o, x) for x in r.rank if x != o)), None)
 
 
 def _qat_not_fp(d: StudyData) -> Check:
