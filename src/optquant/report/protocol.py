@@ -13,7 +13,7 @@ import numpy as np
 
 from optquant.report.figures import damage_frame, loo_range
 from optquant.report.load import StudyData, fmt, fmt_bytes, fmt_lr
-from optquant.report.tables import Table, not_run
+from optquant.report.tables import Table, not_run, opt_order
 
 
 # ---------------------------------------------------------------- Common Loss models
@@ -95,10 +95,9 @@ def tuning_table(d: StudyData) -> Table:
             cells.setdefault(key, {})[size] = fmt_lr(float(g["lr"])) + ratio + flag
             if size == sizes[-1] or key not in share:
                 share[key] = float(g["share"])
-    order = {o: i for i, o in enumerate(d.optimizers)}
     rows = tuple((d.label(o), g.replace("+", " + "), f"{share[(o, g, rule)]:.1%}", RULES.get(rule, rule),
                   *(cells[(o, g, rule)].get(s, "–") for s in sizes))
-                 for o, g, rule in sorted(cells, key=lambda k: (order.get(k[0], 99), k[1])))
+                 for o, g, rule in sorted(cells, key=lambda k: (opt_order(d, k[0]), k[1])))
     caption = (f"From best.json: each optimizer's parameter groups as built for its best run at each size (seed "
                f"{d.search_seed}), their LR (peak, before the schedule) and rule; share of parameters at the largest "
                "size. "
