@@ -201,14 +201,12 @@ def load_study(study_dir: str | Path) -> StudyData:
     budget = set(results["budget_params"].dropna()) if "budget_params" in results else set()
     n_count = "non_embedding" if budget == {"non_embedding"} and non_emb else "total"
     n_params, n_other = (non_emb, total) if n_count == "non_embedding" else (total, non_emb)
-    sizes = tuple(sorted(set(n_params) | set(results["size"]), key=lambda s: (n_params.get(s, math.inf), s)))
-    optimizers = tuple(by_label(set(results["optimizer"])))
     return StudyData(
         root=root,
         spec=spec_from_dict(info["spec"]) if info.get("spec") else None,
-        sizes=sizes,
+        sizes=tuple(sorted(set(n_params) | set(results["size"]), key=lambda s: (n_params.get(s, math.inf), s))),
         n_params=n_params,
-        optimizers=optimizers,
+        optimizers=tuple(by_label(set(results["optimizer"]))),
         results=results,
         correlations=_optional(read_parquet, files.correlations),
         fits=_optional(read_json, files.fits),
