@@ -64,8 +64,8 @@ def _ranking(d: StudyData, kind: str, metric: str, scheme: str | None = "none", 
     return rank_over(df, ["size", "seed"], lower_is_better) if df["optimizer"].nunique() > 1 else None
 
 
-def _pair_text(d: StudyData, r: Ranking, a: str, b: str) -> str:
-    t, p = r.test(a, b)
+def _pair_text(d: StudyData, a: str, b: str, test: tuple) -> str:
+    t, p = test  # a − b's paired test and its Holm-adjusted p, as Ranking.test gives them
     return f"{d.label(a)} − {d.label(b)} = {t.mean_diff:+.3g} [{t.lo:+.3g}, {t.hi:+.3g}], p_Holm={p:.2g}"
 
 
@@ -83,8 +83,7 @@ def _best_of(d: StudyData, r: Ranking | None, target: str, how: str, what: str) 
     sign = 1.0 if r.lower_is_better else -1.0
     better = {o: adj[o] < ALPHA and sign * tests[o].mean_diff < 0 for o in others}
     worse = {o: adj[o] < ALPHA and sign * tests[o].mean_diff > 0 for o in others}
-    ours = "; ".join(f"{d.label(target)} − {d.label(o)} = {tests[o].mean_diff:+.3g} [{tests[o].lo:+.3g}, "
-                     f"{tests[o].hi:+.3g}], p_Holm={adj[o]:.2g}" for o in others)  # fmt: skip
+    ours = "; ".join(_pair_text(d, target, o, (tests[o], adj[o])) for o in others)
     ours += f" (n={r.n_units} size×seed units, smallest attainable p {min_p(r.n_units):.2g})"
     return Check(how, ours, verdict(all(better.values()), any(worse.values())))
 
@@ -223,10 +222,7 @@ def _gain_rank(d: StudyData, high: str, low: tuple[str, ...]) -> Check:
 
 
 def _sole_best(r: Ranking) -> str | None:
-    for o in r.rank:
-        if all(r.better(o, x) for x in r.rank if x != o):
-            return o
-    return None
+    return next((o for o in r.rank if all(r.better(o, x) for x in r.rank if x != o)), None)
 
 
 def _qat_not_fp(d: StudyData) -> Check:
@@ -240,7 +236,8 @@ def _qat_not_fp(d: StudyData) -> Check:
         ours = "no optimizer is significantly best in FP: " + ", ".join(f"{d.label(o)} {fp.label(o)}" for o in fp.rank)
         return Check(how, ours, NOT_RESOLVED)
     beaten = [o for o in qat.rank if qat.better(o, best)]
-    ours = f"FP best: {d.label(best)}; QAT: " + "; ".join(_pair_text(d, qat, best, o) for o in qat.rank if o != best)
+    ours = f"FP best: {d.label(best)}; QAT: " + "; ".join(_pair_text(d, best, o, qat.test(best, o))
+                                                          for o in qat.rank if o != best)
     return Check(how, ours, verdict(bool(beaten), _sole_best(qat) == best))
 
 
@@ -284,7 +281,7 @@ def _step_cost(d: StudyData, slow: str, fast: str, paper: str) -> Check:
         return _na(how, f"needs timed {d.label(slow)} and {d.label(fast)} runs")
     t = d.cell("fp", "mean_step_seconds", best=True)
     s = [x for x in d.sizes if (x, slow) in t and (x, fast) in t][-1]
-    ours = _pair_text(d, r, slow, fast) + f"; {s}: {t[(s, slow)] / t[(s, fast)]:.2f}× (paper {paper})"
+    ours = _pair_text(d, slow, fast, r.test(slow, fast)) + f"; {s}: {t[(s, slow)] / t[(s, fast)]:.2f}× (paper {paper})"
     return Check(how, ours, verdict(r.better(fast, slow), r.better(slow, fast)))
 
 

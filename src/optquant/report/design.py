@@ -85,10 +85,8 @@ def identified_rhos(d: StudyData) -> tuple[dict[str, tuple[float, float, float]]
 
 
 def identified_rho(d: StudyData) -> str | None:
-    ok, _ = identified_rhos(d)
-    if len(ok) < MIN_RHO:
-        return f"{len(ok)} identified ρ_4bit (an ordering needs ≥ {MIN_RHO})"
-    return None
+    n = len(identified_rhos(d)[0])
+    return f"{n} identified ρ_4bit (an ordering needs ≥ {MIN_RHO})" if n < MIN_RHO else None
 
 
 def quiet_timing(d: StudyData) -> str | None:

@@ -188,6 +188,7 @@ def fig1_damage_vs_metrics(d: StudyData, out: Path) -> Plot:
     fig, axes = grid(len(present), w=4.6, h=3.6)
     sizes = [s for s in d.sizes if s in set(df["size"])]
     big = dominant(df["damage"])
+    r = None if big is None else df.loc[big[0]]  # the model that dominates the damage
     for ax, m in zip(axes, present, strict=True):
         for o, g in df.groupby("optimizer"):
             for s, gs in g.groupby("size"):
@@ -199,7 +200,6 @@ def fig1_damage_vs_metrics(d: StudyData, out: Path) -> Plot:
             ax.set_yscale("symlog", linthresh=big[1], linscale=2)
             lo, hi = float(df["damage"].min()), float(df["damage"].max())
             ax.set_ylim(min(lo, 0.0) * 1.5 - 0.2 * big[1], hi * 2.5 if hi > 0 else hi + big[1])
-            r = df.loc[big[0]]
             if np.isfinite(r[m]):
                 ax.annotate(f"{d.label(r['optimizer'])} {r['size']}, LR {fmt_lr(r['lr'])}", (r[m], r["damage"]),
                             xytext=(0.5, 0.93), textcoords="axes fraction", ha="center", fontsize=7,
@@ -207,12 +207,10 @@ def fig1_damage_vs_metrics(d: StudyData, out: Path) -> Plot:
         ax.set_title(f"{m}\n{_corr_text(d, scheme, m, df)}", fontsize=7)
     axes[0].set_ylabel(f"Δ val loss ({scheme})" + (", symlog" if big is not None else ""))
     optimizer_legend(fig, d, [o for o in d.optimizers if o in set(df["optimizer"])], sizes)
-    note = ""
-    if big is not None:
-        r = df.loc[big[0]]
-        note = (f" One model dominates the damage ({d.label(r['optimizer'])} at {r['size']}, LR {fmt_lr(r['lr'])}: "
-                f"Δ = {r['damage']:.3g}; run {big[0]}, the arrow), so the damage axis is symlog, linear below "
-                f"{big[1]:.2g}, so that the other points can be read.")
+    note = "" if big is None else (
+        f" One model dominates the damage ({d.label(r['optimizer'])} at {r['size']}, LR {fmt_lr(r['lr'])}: "
+        f"Δ = {r['damage']:.3g}; run {big[0]}, the arrow), so the damage axis is symlog, linear below "
+        f"{big[1]:.2g}, so that the other points can be read.")
     caption = (
         f"From results.parquet kind=fp and kind=cl: delta_val_loss and R_L at scheme={scheme}, mmr and kurtosis "
         f"at scheme=none; {len(df)} models, FP sweep runs and CL models (colour: optimizer, marker: size).{note} "

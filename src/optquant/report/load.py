@@ -28,7 +28,7 @@ import pandas as pd
 from optquant.errors import OptquantError
 from optquant.files import NUMBER, check_numeric_columns, check_record, parse_metrics, read_json, read_parquet
 from optquant.report.paper import by_label, label
-from optquant.runs import RunDir, StudyDir
+from optquant.runs import StudyDir
 from optquant.study_spec import StudySpec, spec_from_dict
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,6 @@ class StudyData:
     def cell(self, kind: str, metric: str, scheme: str | None = "none", best: bool | None = None) -> dict:
         """{(size, optimizer): mean value over seeds/runs} of the selected rows."""
         df = self.rows(kind, metric, scheme, best)
-        if df.empty:
-            return {}
         return {k: float(v) for k, v in df.groupby(["size", "optimizer"])["value"].mean().items()}
 
     def seeds(self, kind: str, metric: str, scheme: str | None = "none", best: bool | None = None) -> pd.DataFrame:
@@ -128,15 +126,12 @@ class StudyData:
     def dir(self) -> StudyDir:
         return StudyDir(self.root)
 
-    def run(self, run_id: str) -> RunDir:
-        return self.dir.run(run_id)
-
     def summary_values(self, kind: str, metric: str, key: str) -> dict[tuple[str, str], str]:
         """{(size, optimizer): the distinct values of `key` in runs/<run_id>/summary.json over the runs
         of the selected rows, joined by "/"}; cells where no run records the key are absent."""
         out = {}
         for cell, g in self.rows(kind, metric).groupby(["size", "optimizer"]):
-            summaries = (_optional(read_json, self.run(str(r)).summary) or {}
+            summaries = (_optional(read_json, self.dir.run(str(r)).summary) or {}
                          for r in g["run_id"].unique())
             values = {str(v) for s in summaries if (v := s.get(key)) is not None}
             if values:
@@ -145,7 +140,7 @@ class StudyData:
 
     def propagation(self, run_id: str, scheme: str) -> pd.DataFrame | None:
         """A CL model's ABC rows, as `optquant analyze` wrote them."""
-        return _one_norm(_optional(read_parquet, self.run(run_id).ptq_file("cl", scheme, "propagation")))
+        return _one_norm(_optional(read_parquet, self.dir.run(run_id).ptq_file("cl", scheme, "propagation")))
 
     def propagation_set(self) -> tuple[str, str, dict[str, pd.DataFrame]] | None:
         """(size, scheme, {optimizer: propagation frame}) for the largest size whose CL models have ABC
@@ -162,10 +157,7 @@ class StudyData:
 
     def curve(self, run_id: str) -> pd.DataFrame | None:
         """runs/<run_id>/metrics.jsonl as a frame (None if absent or empty)."""
-        path = self.run(run_id).metrics
-        if not path.is_file():
-            return None
-        lines = parse_metrics(path)
+        lines = _optional(parse_metrics, self.dir.run(run_id).metrics)
         return pd.DataFrame(lines) if lines else None
 
     # ---------------------------------------------------------------- display
@@ -209,14 +201,12 @@ def load_study(study_dir: str | Path) -> StudyData:
     budget = set(results["budget_params"].dropna()) if "budget_params" in results else set()
     n_count = "non_embedding" if budget == {"non_embedding"} and non_emb else "total"
     n_params, n_other = (non_emb, total) if n_count == "non_embedding" else (total, non_emb)
-    sizes = tuple(sorted(set(n_params) | set(results["size"]), key=lambda s: (n_params.get(s, math.inf), s)))
-    optimizers = tuple(by_label(set(results["optimizer"])))
     return StudyData(
         root=root,
         spec=spec_from_dict(info["spec"]) if info.get("spec") else None,
-        sizes=sizes,
+        sizes=tuple(sorted(set(n_params) | set(results["size"]), key=lambda s: (n_params.get(s, math.inf), s))),
         n_params=n_params,
-        optimizers=optimizers,
+        optimizers=tuple(by_label(set(results["optimizer"]))),
         results=results,
         correlations=_optional(read_parquet, files.correlations),
         fits=_optional(read_json, files.fits),

@@ -13,7 +13,7 @@ import numpy as np
 
 from optquant.report.figures import damage_frame, loo_range
 from optquant.report.load import StudyData, fmt, fmt_bytes, fmt_lr
-from optquant.report.tables import Table, not_run
+from optquant.report.tables import Table, not_run, opt_order
 
 
 # ---------------------------------------------------------------- Common Loss models
@@ -95,10 +95,9 @@ def tuning_table(d: StudyData) -> Table:
             cells.setdefault(key, {})[size] = fmt_lr(float(g["lr"])) + ratio + flag
             if size == sizes[-1] or key not in share:
                 share[key] = float(g["share"])
-    order = {o: i for i, o in enumerate(d.optimizers)}
     rows = tuple((d.label(o), g.replace("+", " + "), f"{share[(o, g, rule)]:.1%}", RULES.get(rule, rule),
                   *(cells[(o, g, rule)].get(s, "–") for s in sizes))
-                 for o, g, rule in sorted(cells, key=lambda k: (order.get(k[0], 99), k[1])))
+                 for o, g, rule in sorted(cells, key=lambda k: (opt_order(d, k[0]), k[1])))
     caption = (f"From best.json: each optimizer's parameter groups as built for its best run at each size (seed "
                f"{d.search_seed}), their LR (peak, before the schedule) and rule; share of parameters at the largest "
                "size. "
@@ -116,15 +115,10 @@ def cost_table(d: StudyData) -> Table:
         return not_run("cost", title, "no kind=fp rows with metric mean_step_seconds")
     mem, tps = d.cell("fp", "optimizer_state_bytes"), d.cell("fp", "tokens_per_s")
     ns = d.summary_values("fp", "mean_step_seconds", "ns_dtype")  # Muon's/Scion's Newton–Schulz dtype
-    rows = []
-    for s in d.sizes:
-        for o in d.optimizers:
-            if (s, o) not in step:
-                continue
-            rows.append((d.size_label(s), d.label(o), fmt(step[(s, o)], 4),
-                         _ratio(step[(s, o)], step.get((s, "adamw"))), f"{tps[(s, o)]:,.0f}" if (s, o) in tps else "–",
-                         fmt_bytes(mem.get((s, o))),
-                         _ratio(mem.get((s, o)), mem.get((s, "adamw"))), ns.get((s, o), "–")))  # fmt: skip
+    rows = [(d.size_label(s), d.label(o), fmt(step[(s, o)], 4), _ratio(step[(s, o)], step.get((s, "adamw"))),
+             f"{tps[(s, o)]:,.0f}" if (s, o) in tps else "–", fmt_bytes(mem.get((s, o))),
+             _ratio(mem.get((s, o)), mem.get((s, "adamw"))), ns.get((s, o), "–"))
+            for s in d.sizes for o in d.optimizers if (s, o) in step]
     caption = (
         "From results.parquet: kind=fp, metrics mean_step_seconds, tokens_per_s, optimizer_state_bytes, "
         "averaged over all of the (optimizer, size)'s LR-sweep runs. Timings are on the study's hardware. "

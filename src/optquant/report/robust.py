@@ -107,10 +107,8 @@ def _cells(df: pd.DataFrame, scheme: str) -> list[dict]:
     """One dict per (optimizer, arm) with the paired tests and ratios of its row."""
     out = []
     for opt in sorted(df["optimizer"].unique()):
+        get = partial(_series, df, opt=opt)  # (arm, weights, scheme, metric) → that optimizer's series
         for arm in sorted(a for a in df["arm"].unique() if a != "none"):
-            def get(arm_: str, w: str, sc: str, m: str, opt: str = opt) -> pd.Series:
-                return _series(df, arm_, w, sc, m, opt)
-
             dmg, base = get(arm, "cl", scheme, "delta_val_loss"), get("none", "cl", scheme, "delta_val_loss")
             both = base.index.intersection(dmg.index)
             fp = paired_test(get(arm, "final", scheme, "val_loss_fp"), get("none", "final", scheme, "val_loss_fp"))
@@ -142,12 +140,9 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
             "Δ FP loss at the CL [95 % CI]", "Δ final FP loss [95 % CI]", "p_Holm FP", "step time ×", "R_L change",
             "CL reached",
             "n for −30 %")
-    rows = tuple((c["opt"], c["arm"], str(c["test"].n),
-                  f"{_fmt(c['test'].mean_diff)} [{_fmt(c['test'].lo)}, {_fmt(c['test'].hi)}]",
-                  _pct(c['change']), f"{c['test'].p:.3g}", f"{c['test_holm']:.3g}",
-                  _ci(c["at_cl"]), _ci(c["fp"]), f"{c['fp_holm']:.3g}",
-                  f"{fmt(c['cost'], 2)}×", _pct(c['rl']), c["reached"],
-                  str(c["needed"] or "–")) for c in cells)
+    rows = tuple((c["opt"], c["arm"], str(c["test"].n), _ci(c["test"]), _pct(c['change']), f"{c['test'].p:.3g}",
+                  f"{c['test_holm']:.3g}", _ci(c["at_cl"]), _ci(c["fp"]), f"{c['fp_holm']:.3g}",
+                  f"{fmt(c['cost'], 2)}×", _pct(c['rl']), c["reached"], str(c["needed"] or "–")) for c in cells)
     caption = (f"{ROBUST_FILE}: Δ val loss under {scheme} at the Common Loss, paired over (size, seed) with the same "
                f"optimizer's plain best-LR run; exact sign-flip p, Holm over the {len(cells)} cells of each column "
                "(α = 0.05); the smallest attainable p is 2/2ⁿ. Δ FP loss at the CL: the two models compared are at "
@@ -176,15 +171,11 @@ def verdict(cells: list[dict]) -> str:
         cut = c["test_holm"] < ALPHA and c["test"].mean_diff < 0
         fp_ok = not (c["fp_holm"] < ALPHA and c["fp"].mean_diff > 0)
         equal = c["at_cl_holm"] >= ALPHA
-        if not equal:
-            unequal[c["arm"]].append(label(c["opt"]))
         size_ok = cut and equal and c["change"] <= GOAL[0] and c["cost"] <= GOAL[1]
-        if size_ok:
-            at_cl_goal[c["arm"]].append(label(c["opt"]))
-        if cut and equal and fp_ok:
-            good[c["arm"]].append(label(c["opt"]))
-            if size_ok:
-                goal[c["arm"]].append(label(c["opt"]))
+        for names, ok in ((unequal, not equal), (at_cl_goal, size_ok), (good, cut and equal and fp_ok),
+                          (goal, size_ok and fp_ok)):
+            if ok:
+                names[c["arm"]].append(label(c["opt"]))
     n_opt = len({c["opt"] for c in cells})
     parts = [f"{arm}: {'every optimizer' if len(o) == n_opt else ', '.join(o) if o else 'no optimizer'}"
              for arm, o in good.items()]
@@ -263,8 +254,7 @@ def decay_table(df: pd.DataFrame, scheme: str, spec: StudySpec | None) -> Table 
                                100 * t.mean_diff / base if base > 0 else math.nan))
     ps = holm([t.p for _, t, _, _ in paired]) if paired else []
     for (row, t, f, change), p in zip(paired, ps, strict=True):
-        row[4:] = [f"{_fmt(t.mean_diff)} [{_fmt(t.lo)}, {_fmt(t.hi)}]", _pct(change), f"{t.p:.3g}",
-                   f"{p:.3g}", f"{_fmt(f.mean_diff)} [{_fmt(f.lo)}, {_fmt(f.hi)}]"]
+        row[4:] = [_ci(t), _pct(change), f"{t.p:.3g}", f"{p:.3g}", _ci(f)]
     up = sum(p < ALPHA and t.mean_diff > 0 for (_, t, _, _), p in zip(paired, ps, strict=True))
     cols = ("optimizer", "decay (fraction of steps)", "n", "final damage [95 % CI]", "Δ damage vs ref. [95 % CI]",
             "change", "p", "p_Holm", "Δ final FP loss vs ref. [95 % CI]")
@@ -319,10 +309,9 @@ def robust_section(root: Path, fig_dir: Path) -> Section:
         return Section("robust", "Robust training", intro, (not_run("robust", "Robustness", "no CL rows"),))
     table, cells = robustness_table(df, schemes[0])
     table = Table(table.key, table.title, table.columns, table.rows, f"{table.caption} Verdict: {verdict(cells)}")
-    decay = decay_table(df, schemes[0], spec)
     return Section("robust", "Robust training", intro,
-                   (table, *filter(None, [decay]), scheme_table(df, schemes), ranking_table(df, schemes[0]),
-                    *plan, fig_pareto(df, schemes[0], fig_dir)))
+                   (table, *filter(None, [decay_table(df, schemes[0], spec)]), scheme_table(df, schemes),
+                    ranking_table(df, schemes[0]), *plan, fig_pareto(df, schemes[0], fig_dir)))
 
 
 def damage_scheme(spec: StudySpec | None, schemes: list[str], results: pd.DataFrame) -> str | None:

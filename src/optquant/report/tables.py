@@ -112,7 +112,7 @@ def seed_table(d: StudyData, key: str, title: str, quantities: Sequence[Quantity
     for q in quantities:
         cols += [f"{q.label} mean ± sd [95 % CI] (n)", f"{q.label} rank"]
     keys = sorted({(s, o) for f in frames.values() for s, o in zip(f["size"], f["optimizer"], strict=True)},
-                  key=lambda k: (d.sizes.index(k[0]) if k[0] in d.sizes else 99, _order(d, k[1])))  # fmt: skip
+                  key=lambda k: (d.sizes.index(k[0]) if k[0] in d.sizes else 99, opt_order(d, k[1])))  # fmt: skip
     rows: list[tuple[str, ...]] = []
     bold: set[tuple[int, int]] = set()
     summary = {(s, o, q.label): summarize(f.loc[(f["size"] == s) & (f["optimizer"] == o), "value"] * q.scale)
@@ -126,7 +126,7 @@ def seed_table(d: StudyData, key: str, title: str, quantities: Sequence[Quantity
             if r and r.rank.get(o) == 1 and not r.tied(o):
                 bold.add((len(rows), 2 + 2 * j))
         rows.append(tuple(row))
-    opts = sorted({o for _, o in keys}, key=lambda o: _order(d, o))
+    opts = sorted({o for _, o in keys}, key=lambda o: opt_order(d, o))
     if any(p is not None for _, p in ranks.values()):
         for o in opts:
             row = ["pooled (all sizes)", o]
@@ -154,7 +154,7 @@ def column_digits(summaries: Sequence[Summary], most: int) -> int:
     return int(min(most, max(0, (2 if h / 10**e < 2 else 1) - 1 - e)))
 
 
-def _order(d: StudyData, o: str) -> int:
+def opt_order(d: StudyData, o: str) -> int:
     return d.optimizers.index(o) if o in d.optimizers else 99
 
 
@@ -248,14 +248,11 @@ def outlier_table(d: StudyData) -> Table:
 
 # ---------------------------------------------------------------- paper side tables
 def paper_table(grid: PaperGrid, key: str) -> Table:
-    rows = []
-    for s in grid.sizes:
-        cells = []
-        for o in grid.optimizers:
-            v = grid.get(s, o)
-            note = grid.notes.get((s, o))
-            cells.append("n/a" if v is None else f"{v:.{grid.digits.get(s, 2)}f}{note or ''}")
-        rows.append((s, *cells))
+    def cell(s: str, o: str) -> str:
+        v = grid.get(s, o)
+        return "n/a" if v is None else f"{v:.{grid.digits.get(s, 2)}f}{grid.notes.get((s, o), '')}"
+
+    rows = [(s, *(cell(s, o) for o in grid.optimizers)) for s in grid.sizes]
     caption = f"paper, {grid.sources}. Unit: {grid.unit or 'as named'}. {grid.footnote}".strip()
     cols = ("paper" if grid.unit else "quantity", *grid.optimizers)
     return Table(key, f"paper — {grid.title}", cols, tuple(rows), caption, paper=True)

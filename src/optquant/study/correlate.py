@@ -102,9 +102,8 @@ def correlate(
                 x, y = pair[:, 0], pair[:, 1]
                 group = {by: key[0] if isinstance(key, tuple) else key} if by else {}
                 for method in METHODS:
-                    row = {"metric": metric, "target": target, "method": method, "n": len(x)}
-                    row.update(_one(x, y, method, n_boot, level, seed))
-                    out.append(group | row)
+                    out.append(group | {"metric": metric, "target": target, "method": method, "n": len(x)}
+                               | _one(x, y, method, n_boot, level, seed))
                 if control is None:
                     continue
                 cols = g[[metric, target, control]].apply(pd.to_numeric, errors="coerce").to_numpy(np.float64)

@@ -173,12 +173,8 @@ class CostETA:
         if cls in ("cl", "qat") and fp is not None and fp.done:
             ratio = self._twin_ratio(cls)
             return fp.mean * (ratio if math.isfinite(ratio) else cell.prior / fp.prior)
-        for scale in (self._scale(cls, o, s), self._scale(cls, None, s)):
-            if math.isfinite(scale):
-                return cell.prior * scale
-        if self.probed:
-            return cell.prior
-        for scale in (self._scale(cls, o), self._scale(cls, None), self._scale(None, o), self._scale(None, None)):
+        wider = () if self.probed else ((cls, o), (cls, None), (None, o), (None, None))  # other sizes' ratios
+        for scale in (self._scale(*where) for where in ((cls, o, s), (cls, None, s), *wider)):
             if math.isfinite(scale):
                 return cell.prior * scale
         return cell.prior

@@ -209,10 +209,8 @@ def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
         if on_done is not None:
             on_done(job, done, None)
     todo = longest_first(todo)
-    if executor == "local":
-        stream = run_local(todo, workers, pool)
-    else:
-        stream = run_submitit(todo, folder, "local" if executor == "submitit-local" else None)
+    stream = (run_local(todo, workers, pool) if executor == "local"
+              else run_submitit(todo, folder, "local" if executor == "submitit-local" else None))
     n_workers = workers if executor == "local" else len(todo)
     for job, (result, timing) in stream:
         results[job.key] = result

@@ -141,12 +141,9 @@ class PTQJob:
 
     stage = "ptq"
 
-    def _read(self) -> tuple[Result | None, Result | None]:
-        a, name = self.analysis, self.ptq.name
-        return read_result(self.dir, a, name, "damage"), read_result(self.dir, a, name, "analysis")
-
     def done(self) -> Result | None:
-        damage, metrics = self._read()
+        a, name = self.analysis, self.ptq.name
+        damage, metrics = read_result(self.dir, a, name, "damage"), read_result(self.dir, a, name, "analysis")
         return {**damage, **metrics} if covers(damage, self.analysis) and metrics is not None else None  # else redo
 
     def cost(self) -> float:

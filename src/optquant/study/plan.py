@@ -214,8 +214,7 @@ def ptq_stage(study: Study, state: State) -> None:
     the sweep schemes, outliers and ABC on the final model of every finished FP run (val loss only), for
     correlations within each size."""
     spec = study.spec
-    finished = [study.runs / s["run_id"] for search in state.found.values() for sums in search.lrs.values()
-                for s in sums
+    finished = [study.runs / s["run_id"] for search in state.found.values() for _, _, s in search.runs()
                 if s.get("status") == "done"]
     jobs: list[Job] = [*ptq_jobs(spec, state.cl_paths.values(), "cl", spec.ptq_schemes),
                        *ptq_jobs(spec, finished, "final", spec.sweep_ptq_schemes)]

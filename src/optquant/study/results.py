@@ -70,11 +70,9 @@ def gather(study, found: dict[tuple[str, str], LRSearch], thresholds: dict, cl_p
         for lr, seed, s in search.runs():
             run = study.runs / s["run_id"]
             row = base(run, s, "fp", key, lr, seed, lr == search.best)
-            rows += metric_rows(row, "none", {**s, "diverged": float(s["status"] == "diverged")},
-                                (*FP_METRICS, "diverged"))
-            rows += metric_rows(row, "none", {"best_lr_at_edge": float(search.status == "cap"),
-                                              "lr_bracketed": float(search.status == "bracketed")},
-                                ("best_lr_at_edge", "lr_bracketed"))
+            flags = {"diverged": float(s["status"] == "diverged"), "best_lr_at_edge": float(search.status == "cap"),
+                     "lr_bracketed": float(search.status == "bracketed")}
+            rows += metric_rows(row, "none", {**s, **flags}, (*FP_METRICS, *flags))
             rows += _ptq_rows(run, row, sweep, study.spec.sweep_ptq_schemes, OUTLIER_METRICS)
             if not study.spec.sweep_ptq_schemes and (outliers := RunDir(run).outliers("final")).exists():
                 rows += metric_rows(row, "none", read_json(outliers), OUTLIER_METRICS)

@@ -181,10 +181,9 @@ def tune(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict], RunC
         grids, ratios = {}, {}
         for o in spec.optimizers:
             src = out[(o, first)]
-            b = src.lr.best
+            b = None if o in spec.lrs or not spec.lr_from_smallest else src.lr.best  # None: the grid as given
             for s in rest:
-                explicit = o in spec.lrs or b is None or not spec.lr_from_smallest
-                grids[(o, s)] = list(lr_grid(spec, o)) if explicit else centred(b, spec.lr_step, spec.lr_points)
+                grids[(o, s)] = list(lr_grid(spec, o)) if b is None else centred(b, spec.lr_step, spec.lr_points)
                 ratios[(o, s)] = dict(src.ratios)
         out.update(coordinate(run, spec, config, grids, ratios))
     return out

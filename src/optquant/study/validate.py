@@ -77,27 +77,26 @@ def validate_spec(spec: StudySpec) -> StudySpec:
 
 def _check_runs(spec: StudySpec) -> None:
     """Build every run the spec describes once, through RunConfig's validation."""
+    seed0 = search_seed(spec.seeds)
     for opt in spec.optimizers:
         grid = lr_grid(spec, opt)
         _list(f"lrs.{opt}", grid)
-        for lr in grid:
-            if not (math.isfinite(lr) and lr > 0):
-                raise OptquantError(f"lrs.{opt}: {lr} is not a positive learning rate")
+        if bad := [lr for lr in grid if not (math.isfinite(lr) and lr > 0)]:
+            raise OptquantError(f"lrs.{opt}: {bad[0]} is not a positive learning rate")
         for size in spec.sizes:
             for lr in grid:
-                _run(spec, f"lrs.{opt}={lr} at size {size}", size, opt, lr, search_seed(spec.seeds))
+                _run(spec, f"lrs.{opt}={lr} at size {size}", size, opt, lr, seed0)
             for seed in spec.seeds:
                 _run(spec, f"seeds={seed}", size, opt, None, seed)
             for b in spec.qat_bits:
-                _run(spec, f"qat_bits={b}", size, opt, None, search_seed(spec.seeds),
+                _run(spec, f"qat_bits={b}", size, opt, None, seed0,
                      {"qat.method": "quest", "qat.w_bits": b, "qat.a_bits": b})
             for entry in spec.robust:
-                _run(spec, f"robust={entry}", size, opt, None, search_seed(spec.seeds), robust=entry)
+                _run(spec, f"robust={entry}", size, opt, None, seed0, robust=entry)
         for param, values in spec.sweeps.get(opt, {}).items():
             _list(f"sweeps.{opt}.{param}", values)
             for v in values:
-                _run(spec, f"sweeps.{opt}.{param}={v}", spec.sizes[0], opt, None, search_seed(spec.seeds),
-                     extra={param: v})
+                _run(spec, f"sweeps.{opt}.{param}={v}", spec.sizes[0], opt, None, seed0, extra={param: v})
 
 
 def _run(spec: StudySpec, what: str, size: str, opt: str, lr: float | None, seed: int,
