@@ -26,7 +26,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from optquant.files import atomic_write_json, open_nofollow
 from optquant.model import LM, count_params, lm_loss
 from optquant.optim import build_optimizers, ns_dtype, state_bytes
 from optquant.runs import RunDir, check_corpus, read_summary, truncate_metrics, write_config
+from optquant.runs import run_dir as twin_dir
 from optquant.tracking import Tracker, open_tracker
 
 log = logging.getLogger(__name__)
@@ -62,10 +63,6 @@ def lr_multiplier(step: int, total: int, cfg: TrainConfig) -> float:
     if step >= total - decay:
         return (total - step) / decay
     return 1.0
-
-
-def total_steps(cfg: RunConfig, model: nn.Module) -> int:
-    return steps_for(cfg, count_params(model, embeddings=cfg.train.budget_params == "total"))
 
 
 def steps_for(cfg: RunConfig, n: int) -> int:
@@ -181,7 +178,8 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
     val_batch = tc.batch_size // tc.grad_accum  # one process's micro-batch, split over the ranks below
     check_enough(data.val, val_batch, cfg.model.seq_len, "val")
     model = build_model(cfg).to(ctx.device)
-    check_epochs(cfg.data, total_steps(cfg, model) * tc.batch_size * cfg.model.seq_len, len(data.train))
+    steps = steps_for(cfg, count_params(model, embeddings=tc.budget_params == "total"))
+    check_epochs(cfg.data, steps * tc.batch_size * cfg.model.seq_len, len(data.train))
     if RunDir(run_dir).checkpoint.exists():  # a resume: on the corpus it began on, never a re-prepared one
         check_corpus(run_dir, cfg.data.source)
     if ctx.rank == 0:  # after every check of the input: bad input leaves no run directory behind
@@ -198,7 +196,7 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
     val = [(x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]) for x, y in
            fixed_batches(data.val, tc.eval_batches, val_batch, cfg.model.seq_len, seed=cfg.seed + 12345)]
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + ctx.rank)
-    steps, robust = total_steps(cfg, model), None
+    robust = None
     if cfg.robust.method != "none":
         from optquant.quant.robust import Robust
 
@@ -408,10 +406,6 @@ def _add_qat_degradation(summary: dict, cfg: RunConfig, run_dir: Path) -> None:
     """For a QAT run whose FP twin (same config, no QAT) is done beside it: the paper's relative gap."""
     if cfg.qat is None or summary["final_val_loss"] is None:
         return
-    from dataclasses import replace
-
-    from optquant.runs import run_dir as twin_dir
-
     twin = read_summary(twin_dir(run_dir.parent, replace(cfg, qat=None)))
     if twin and twin.get("final_val_loss"):
         from optquant.quant.qat import relative_degradation
