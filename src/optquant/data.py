@@ -50,6 +50,9 @@ import tokenizers
 from msgspec import Meta
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from optquant.corpus.manifest import is_prepared, open_prepared
+from optquant.corpus.manifest import train_tokens as prepared_tokens
+from optquant.corpus.sources import json_text
 from optquant.errors import OptquantError
 from optquant.files import temp_path
 from optquant.ranges import Natural, NonEmpty, Positive
@@ -201,8 +204,6 @@ def _read_txt(path: Path, field: str) -> list[str | None]:
 
 
 def _read_jsonl(path: Path, field: str) -> list[str | None]:
-    from optquant.corpus.sources import json_text
-
     with path.open(encoding="utf-8") as f:
         return [json_text(line, f"{path} line {n}", field, "set data.text_field") for n, line in enumerate(f, start=1)]
 
@@ -361,8 +362,6 @@ def _open(entry: Path, key: str) -> TokenData:
 
 def _prepared(cfg: DataConfig, vocab_size: int) -> TokenData:
     """A corpus `optquant data prepare` wrote (corpus/manifest.py): its shards, tokenizer and split."""
-    from optquant.corpus.manifest import open_prepared
-
     p = open_prepared(cfg.source, _cache_root(cfg))
     if p.vocab_size > vocab_size:
         raise OptquantError(f"data.source={cfg.source}: its tokenizer has {p.vocab_size} tokens, more than "
@@ -378,8 +377,6 @@ def _prepared(cfg: DataConfig, vocab_size: int) -> TokenData:
 def load_tokens(cfg: DataConfig, vocab_size: int) -> TokenData:
     """Train/val token arrays and the tokenizer for `cfg`, built once and then read from the cache (or, for a
     prepared corpus, memory-mapped from its directory)."""
-    from optquant.corpus.manifest import is_prepared
-
     if is_prepared(cfg.source):
         return _prepared(cfg, vocab_size)
     files = corpus_files(cfg)
@@ -408,9 +405,6 @@ def load_tokens(cfg: DataConfig, vocab_size: int) -> TokenData:
 def train_tokens(cfg: DataConfig, vocab_size: int, raw: bool = True) -> int | None:
     """The corpus's training tokens: a prepared corpus's from its manifest, the embedded corpus's from its
     (cached) tokens; a user's raw files are tokenized for it only with `raw` (else None)."""
-    from optquant.corpus.manifest import is_prepared
-    from optquant.corpus.manifest import train_tokens as prepared_tokens
-
     if is_prepared(cfg.source):
         return prepared_tokens(cfg.source)
     return len(load_tokens(cfg, vocab_size).train) if raw or cfg.source == "embedded" else None
