@@ -52,7 +52,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from optquant.corpus.manifest import is_prepared, open_prepared
 from optquant.corpus.manifest import train_tokens as prepared_tokens
-from optquant.corpus.sources import json_text
+from optquant.corpus.sources import EOT, Document, json_text
 from optquant.errors import OptquantError
 from optquant.files import temp_path
 from optquant.ranges import Natural, NonEmpty, Positive
@@ -62,17 +62,13 @@ if TYPE_CHECKING:  # torch only where batches are drawn: `optquant data prepare`
 
 log = logging.getLogger(__name__)
 
-EOT = "<|endoftext|>"
 FORMAT_VERSION = 1  # bump when the cache layout or tokenizer recipe changes
 ENCODE_CHUNK = 2048  # documents per encode call: bounds the memory held by Encoding objects
 # Non-offensive classic fortune files (the `*-o` variants are offensive and never read).
 FORTUNE_FILES = ("fortunes", "limerick", "startrek", "zippy", "gerrold.limerick")
-SUFFIXES = (".txt", ".jsonl", ".parquet")
 # A raw source is read whole into memory (its text, the BPE trainer's copy, the token ids: a few times its size):
 # above this many bytes on disk it goes through `optquant data prepare`, which streams it in bounded memory.
 RAW_MAX_BYTES = 1 << 30
-
-Document = tuple[str, str]  # (stable id, text)
 
 
 @dataclass(frozen=True)
@@ -140,13 +136,13 @@ def _user_files(source: Path) -> list[SourceFile]:
     if not source.exists():
         raise OptquantError(f"data source {source} does not exist")
     if source.is_dir():
-        root, files = source, sorted(p for p in source.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+        root, files = source, sorted(p for p in source.rglob("*") if p.suffix in _READERS and p.is_file())
         if not files:
-            raise OptquantError(f"no {', '.join(SUFFIXES)} files under {source}")
-    elif source.suffix in SUFFIXES:
+            raise OptquantError(f"no {', '.join(_READERS)} files under {source}")
+    elif source.suffix in _READERS:
         root, files = source.parent, [source]
     else:
-        raise OptquantError(f"{source}: unsupported file type; use one of {', '.join(SUFFIXES)}")
+        raise OptquantError(f"{source}: unsupported file type; use one of {', '.join(_READERS)}")
     size = sum(p.stat().st_size for p in files)
     if size > RAW_MAX_BYTES:  # checked before the files are hashed or read
         raise OptquantError(f"data.source={source} is {size / 2**30:.1f} GiB of raw files, more than the "
