@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from optquant.compiled import strip_prefix
 from optquant.errors import OptquantError
 from optquant.files import atomic_write
 
@@ -83,8 +84,6 @@ def _unflatten(obj: Any, tensors: dict[str, Tensor]) -> Any:
 
 def model_tensors(model: nn.Module) -> dict[str, Tensor]:
     """The model's state dict with tied tensors stored once (the first name wins)."""
-    from optquant.compiled import strip_prefix
-
     out, seen = {}, set()
     for name, t in model.state_dict().items():
         if t.data_ptr() in seen and t.numel() > 0:
@@ -107,8 +106,6 @@ def save_checkpoint(path: Path, model: nn.Module, state: dict[str, Any]) -> None
 
 
 def _read(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
@@ -134,8 +131,6 @@ def load_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
 
 
 def load_model_tensors(model: nn.Module, tensors: dict[str, Tensor], source: Path | str) -> None:
-    from optquant.compiled import strip_prefix
-
     expected = {strip_prefix(k): v for k, v in model.state_dict().items()}  # compiled or not, either way
     tensors = {strip_prefix(k): v for k, v in tensors.items()}
     missing = [k for k in expected if k not in tensors and not _is_tied_alias(expected, k, tensors)]

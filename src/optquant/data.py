@@ -50,6 +50,9 @@ import tokenizers
 from msgspec import Meta
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from optquant.corpus.manifest import is_prepared, open_prepared
+from optquant.corpus.manifest import train_tokens as prepared_tokens
+from optquant.corpus.sources import EOT, Document, json_text
 from optquant.errors import OptquantError
 from optquant.files import temp_path
 from optquant.ranges import Natural, NonEmpty, Positive
@@ -59,17 +62,13 @@ if TYPE_CHECKING:  # torch only where batches are drawn: `optquant data prepare`
 
 log = logging.getLogger(__name__)
 
-EOT = "<|endoftext|>"
 FORMAT_VERSION = 1  # bump when the cache layout or tokenizer recipe changes
 ENCODE_CHUNK = 2048  # documents per encode call: bounds the memory held by Encoding objects
 # Non-offensive classic fortune files (the `*-o` variants are offensive and never read).
 FORTUNE_FILES = ("fortunes", "limerick", "startrek", "zippy", "gerrold.limerick")
-SUFFIXES = (".txt", ".jsonl", ".parquet")
 # A raw source is read whole into memory (its text, the BPE trainer's copy, the token ids: a few times its size):
 # above this many bytes on disk it goes through `optquant data prepare`, which streams it in bounded memory.
 RAW_MAX_BYTES = 1 << 30
-
-Document = tuple[str, str]  # (stable id, text)
 
 
 @dataclass(frozen=True)
@@ -137,13 +136,13 @@ def _user_files(source: Path) -> list[SourceFile]:
     if not source.exists():
         raise OptquantError(f"data source {source} does not exist")
     if source.is_dir():
-        root, files = source, sorted(p for p in source.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+        root, files = source, sorted(p for p in source.rglob("*") if p.suffix in _READERS and p.is_file())
         if not files:
-            raise OptquantError(f"no {', '.join(SUFFIXES)} files under {source}")
-    elif source.suffix in SUFFIXES:
+            raise OptquantError(f"no {', '.join(_READERS)} files under {source}")
+    elif source.suffix in _READERS:
         root, files = source.parent, [source]
     else:
-        raise OptquantError(f"{source}: unsupported file type; use one of {', '.join(SUFFIXES)}")
+        raise OptquantError(f"{source}: unsupported file type; use one of {', '.join(_READERS)}")
     size = sum(p.stat().st_size for p in files)
     if size > RAW_MAX_BYTES:  # checked before the files are hashed or read
         raise OptquantError(f"data.source={source} is {size / 2**30:.1f} GiB of raw files, more than the "
@@ -201,8 +200,6 @@ def _read_txt(path: Path, field: str) -> list[str | None]:
 
 
 def _read_jsonl(path: Path, field: str) -> list[str | None]:
-    from optquant.corpus.sources import json_text
-
     with path.open(encoding="utf-8") as f:
         return [json_text(line, f"{path} line {n}", field, "set data.text_field") for n, line in enumerate(f, start=1)]
 
@@ -361,8 +358,6 @@ def _open(entry: Path, key: str) -> TokenData:
 
 def _prepared(cfg: DataConfig, vocab_size: int) -> TokenData:
     """A corpus `optquant data prepare` wrote (corpus/manifest.py): its shards, tokenizer and split."""
-    from optquant.corpus.manifest import open_prepared
-
     p = open_prepared(cfg.source, _cache_root(cfg))
     if p.vocab_size > vocab_size:
         raise OptquantError(f"data.source={cfg.source}: its tokenizer has {p.vocab_size} tokens, more than "
@@ -378,8 +373,6 @@ def _prepared(cfg: DataConfig, vocab_size: int) -> TokenData:
 def load_tokens(cfg: DataConfig, vocab_size: int) -> TokenData:
     """Train/val token arrays and the tokenizer for `cfg`, built once and then read from the cache (or, for a
     prepared corpus, memory-mapped from its directory)."""
-    from optquant.corpus.manifest import is_prepared
-
     if is_prepared(cfg.source):
         return _prepared(cfg, vocab_size)
     files = corpus_files(cfg)
@@ -408,9 +401,6 @@ def load_tokens(cfg: DataConfig, vocab_size: int) -> TokenData:
 def train_tokens(cfg: DataConfig, vocab_size: int, raw: bool = True) -> int | None:
     """The corpus's training tokens: a prepared corpus's from its manifest, the embedded corpus's from its
     (cached) tokens; a user's raw files are tokenized for it only with `raw` (else None)."""
-    from optquant.corpus.manifest import is_prepared
-    from optquant.corpus.manifest import train_tokens as prepared_tokens
-
     if is_prepared(cfg.source):
         return prepared_tokens(cfg.source)
     return len(load_tokens(cfg, vocab_size).train) if raw or cfg.source == "embedded" else None

@@ -46,9 +46,7 @@ def fast_bf16(device: torch.device) -> bool:
 
 def use_bf16(precision: str, device: torch.device) -> bool:
     """`bf16` → True, `fp32` → False, `auto` → bf16 where the hardware has fast bf16 matmuls."""
-    if precision != "auto":
-        return precision == "bf16"
-    return fast_bf16(device)
+    return fast_bf16(device) if precision == "auto" else precision == "bf16"
 
 
 def cpu_name() -> str:

@@ -70,8 +70,7 @@ def setup() -> Context:
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return Context(0, 1, device)
+        return Context(0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local)

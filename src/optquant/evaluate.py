@@ -78,12 +78,11 @@ def logit_rows(model: nn.Module, x: Tensor, start: int = 0) -> Iterator[tuple[sl
     return iter([(slice(None), logits.reshape(-1, logits.size(-1)))])
 
 
-def head_rows(model: nn.Module, h: Tensor, budget: int | None = None) -> Iterator[tuple[slice, Tensor]]:
-    """(rows, fp32 logits) of the hidden states h (…, D) flattened to rows, in chunks of ≤ `budget` bytes
-    (default LOGITS_BYTES)."""
-    rows, budget = h.reshape(-1, h.shape[-1]), budget or LOGITS_BYTES
+def head_rows(model: nn.Module, h: Tensor) -> Iterator[tuple[slice, Tensor]]:
+    """(rows, fp32 logits) of the hidden states h (…, D) flattened to rows, in chunks of ≤ LOGITS_BYTES."""
+    rows = h.reshape(-1, h.shape[-1])
     vocab = model.lm_head.out_features if hasattr(model, "lm_head") else model.head(rows[:1]).shape[-1]
-    step = max(1, budget // (4 * vocab))
+    step = max(1, LOGITS_BYTES // (4 * vocab))
     for i in range(0, rows.shape[0], step):
         yield slice(i, i + step), model.head(rows[i : i + step]).float()
 
@@ -96,7 +95,7 @@ class LossResult:
 
 
 @torch.no_grad()
-def val_loss(model: nn.Module, batches: Iterable, autocast: torch.dtype | None = None) -> LossResult:
+def val_loss(model: nn.Module, batches: Iterable) -> LossResult:
     """Mean CE over fixed batches of (x, y) pairs, or of (B, T+1) token blocks split into x, y.
 
     Run it on the FP and the quantized model with the same batches to get Δ val loss.
@@ -107,10 +106,9 @@ def val_loss(model: nn.Module, batches: Iterable, autocast: torch.dtype | None =
         for batch in batches:
             x, y = batch if isinstance(batch, tuple | list) else (batch[:, :-1], batch[:, 1:])
             x, y = x.to(device), y.to(device)
-            with torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext():
-                flat = y.reshape(-1)
-                for rows, logits in logit_rows(model, x):
-                    total += F.cross_entropy(logits, flat[rows], reduction="sum").item()
+            flat = y.reshape(-1)
+            for rows, logits in logit_rows(model, x):
+                total += F.cross_entropy(logits, flat[rows], reduction="sum").item()
             count += y.numel()
     if count == 0:
         raise OptquantError("val_loss: no batches given")

@@ -131,10 +131,7 @@ def check_numeric_columns(df: pd.DataFrame, path: Path, columns: tuple[str, ...]
 
     for column in (c for c in columns if c in df.columns):
         values = df[column]
-        if values.dtype == bool:
-            bad = values.notna()
-        else:
-            bad = pd.to_numeric(values, errors="coerce").isna() & values.notna()
+        bad = values.notna() if values.dtype == bool else values.notna() & pd.to_numeric(values, errors="coerce").isna()
         if bad.any():
             row = int(bad.to_numpy().nonzero()[0][0])
             raise OptquantError(f"{path}: column {column!r} holds {values.iloc[row]!r} at row {row}, not a number; "

@@ -204,15 +204,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.qk_norm:
+        if self.qk_norm:  # the logit scale is qk_scale: no further 1/√Dh
             q = F.normalize(q, dim=-1) * self.qk_scale.to(q.dtype)
             k = F.normalize(k, dim=-1)
-            scale = 1.0
-        else:
-            scale = None
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=self.n_kv_head != self.n_head
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 if self.qk_norm else None,
+                                           enable_gqa=self.n_kv_head != self.n_head)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, D)
         if hasattr(self, "gate_proj"):
             y = y * torch.sigmoid(self.gate_proj(x))
@@ -307,8 +303,7 @@ class LM(nn.Module):
 
 def count_params(model: LM, embeddings: bool = True) -> int:
     """Parameters, counting a tied embedding once; embeddings=False drops the embedding and head."""
-    seen = {id(p): p for p in model.parameters()}
-    n = sum(p.numel() for p in seen.values())
+    n = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
     if not embeddings:
         n -= model.embed.weight.numel()
         if model.lm_head.weight is not model.embed.weight:

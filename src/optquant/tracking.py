@@ -42,6 +42,12 @@ class Tracker:
     def close(self) -> None: ...
 
 
+def _numbers(values: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of `values` (no bools): what a logger can plot."""
+    return {k: v for k, v in values.items() if not isinstance(v, bool) and isinstance(v, int | float)
+            and math.isfinite(v)}
+
+
 class TensorBoardTracker(Tracker):
     def __init__(self, run_dir: Path, config: dict):
         from torch.utils.tensorboard import SummaryWriter
@@ -50,9 +56,7 @@ class TensorBoardTracker(Tracker):
         self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, sort_keys=True) + "\n```", 0)
 
     def record(self, prefix: str, step: int, values: dict[str, Any]) -> None:
-        for key, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                continue
+        for key, value in _numbers(values).items():
             self.writer.add_scalar(f"{prefix}/{key}", value, step)
 
     def close(self) -> None:
@@ -70,8 +74,7 @@ class WandbTracker(Tracker):
                               mode=os.environ.get("WANDB_MODE", "offline"))
 
     def record(self, prefix: str, step: int, values: dict[str, Any]) -> None:
-        values = {f"{prefix}/{k}": v for k, v in values.items()
-                  if not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)}
+        values = {f"{prefix}/{k}": v for k, v in _numbers(values).items()}
         if prefix in ("train", "eval"):
             self.run.log(values, step=step)
         else:
@@ -84,17 +87,17 @@ class WandbTracker(Tracker):
         wandb.teardown()  # stop W&B's service process: the offline run file is complete when this returns
 
 
+TRACKERS = {"tensorboard": (TensorBoardTracker, "TensorBoard"), "wandb": (WandbTracker, "Weights & Biases")}
+
+
 def open_tracker(log: LogConfig | None, run_dir: Path, config: dict) -> Tracker:
     """The tracker `log.to` asks for (a no-op one for "none" or None)."""
     to = getattr(log, "to", "none")
     if to == "none":
         return Tracker()
-    if to == "tensorboard":
-        if importlib.util.find_spec("tensorboard") is None:
-            raise OptquantError("log.to=tensorboard needs TensorBoard: pip install 'optquant[tensorboard]'")
-        return TensorBoardTracker(run_dir, config)
-    if to == "wandb":
-        if importlib.util.find_spec("wandb") is None:
-            raise OptquantError("log.to=wandb needs Weights & Biases: pip install 'optquant[wandb]'")
-        return WandbTracker(run_dir, config)
-    raise OptquantError(f"log.to must be none, tensorboard or wandb, got {to!r}")
+    if to not in TRACKERS:
+        raise OptquantError(f"log.to must be none, tensorboard or wandb, got {to!r}")
+    cls, what = TRACKERS[to]
+    if importlib.util.find_spec(to) is None:
+        raise OptquantError(f"log.to={to} needs {what}: pip install 'optquant[{to}]'")
+    return cls(run_dir, config)

@@ -26,7 +26,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from torch import nn
 
 from optquant import distributed as dist
 from optquant.checkpoint import load_checkpoint, rng_state, save_checkpoint, save_weights, set_rng_state
+from optquant.compiled import maybe_compile
 from optquant.config import RunConfig, TrainConfig, to_dict, validate
 from optquant.corpus.manifest import is_prepared
 from optquant.data import check_enough, check_epochs, fixed_batches, get_batch, load_tokens
@@ -45,7 +46,10 @@ from optquant.evaluate import val_loss
 from optquant.files import atomic_write_json, open_nofollow
 from optquant.model import LM, count_params, lm_loss
 from optquant.optim import build_optimizers, ns_dtype, state_bytes
+from optquant.quant.qat import prepare_qat_, relative_degradation
+from optquant.quant.robust import Robust
 from optquant.runs import RunDir, check_corpus, read_summary, truncate_metrics, write_config
+from optquant.runs import run_dir as twin_dir
 from optquant.tracking import Tracker, open_tracker
 
 log = logging.getLogger(__name__)
@@ -62,10 +66,6 @@ def lr_multiplier(step: int, total: int, cfg: TrainConfig) -> float:
     if step >= total - decay:
         return (total - step) / decay
     return 1.0
-
-
-def total_steps(cfg: RunConfig, model: nn.Module) -> int:
-    return steps_for(cfg, count_params(model, embeddings=cfg.train.budget_params == "total"))
 
 
 def steps_for(cfg: RunConfig, n: int) -> int:
@@ -88,8 +88,6 @@ def validation_loss(model: nn.Module, batches: list) -> float:
 def build_model(cfg: RunConfig) -> nn.Module:
     model = LM(cfg.model)
     if cfg.qat is not None:
-        from optquant.quant.qat import prepare_qat_
-
         prepare_qat_(model, cfg.qat)
     return model
 
@@ -101,7 +99,7 @@ class _Loop:
     compiled for the step, and `eval_model` the model compiled for evaluation."""
 
     cfg: RunConfig
-    run_dir: Path
+    run: RunDir
     ctx: dist.Context
     model: nn.Module
     ddp_model: nn.Module
@@ -115,7 +113,6 @@ class _Loop:
     steps: int
     bf16: bool  # the steps' autocast
     bound: float  # a loss above it has diverged (train.diverge_factor × ln vocab; 0 = off)
-    ckpt: Path  # the resumable checkpoint
     robust: Any = None  # quant.robust.Robust for a robust.method other than "none"
 
 
@@ -181,7 +178,8 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
     val_batch = tc.batch_size // tc.grad_accum  # one process's micro-batch, split over the ranks below
     check_enough(data.val, val_batch, cfg.model.seq_len, "val")
     model = build_model(cfg).to(ctx.device)
-    check_epochs(cfg.data, total_steps(cfg, model) * tc.batch_size * cfg.model.seq_len, len(data.train))
+    steps = steps_for(cfg, count_params(model, embeddings=tc.budget_params == "total"))
+    check_epochs(cfg.data, steps * tc.batch_size * cfg.model.seq_len, len(data.train))
     if RunDir(run_dir).checkpoint.exists():  # a resume: on the corpus it began on, never a re-prepared one
         check_corpus(run_dir, cfg.data.source)
     if ctx.rank == 0:  # after every check of the input: bad input leaves no run directory behind
@@ -189,8 +187,6 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
     tracker = open_tracker(cfg.log, run_dir, to_dict(cfg)) if ctx.rank == 0 else Tracker()  # no-op unless log.to
     optimizers = build_optimizers(model, cfg.optim)
     ddp_model = ctx.wrap(model)
-    from optquant.compiled import maybe_compile  # train.compile: the step and the evaluations
-
     run_model = maybe_compile(ddp_model, tc.compile, ctx.device)
     eval_model = run_model if ddp_model is model else maybe_compile(model, tc.compile, ctx.device)
     # The validation set must not depend on how many processes train: draw it as one process would and
@@ -198,14 +194,12 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
     val = [(x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]) for x, y in
            fixed_batches(data.val, tc.eval_batches, val_batch, cfg.model.seq_len, seed=cfg.seed + 12345)]
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + ctx.rank)
-    steps, robust = total_steps(cfg, model), None
+    robust = None
     if cfg.robust.method != "none":
-        from optquant.quant.robust import Robust
-
         robust = Robust(cfg.robust, model, steps, ctx.world_size, tc.eval_every)
-    return _Loop(cfg, run_dir, ctx, model, ddp_model, run_model, eval_model, optimizers, data.train, val, gen,
+    return _Loop(cfg, RunDir(run_dir), ctx, model, ddp_model, run_model, eval_model, optimizers, data.train, val, gen,
                  tracker, steps, use_bf16(tc.precision, ctx.device),
-                 tc.diverge_factor * math.log(cfg.model.vocab_size), RunDir(run_dir).checkpoint, robust)
+                 tc.diverge_factor * math.log(cfg.model.vocab_size), robust)
 
 
 def _micro(cfg: RunConfig, ctx: dist.Context) -> int:
@@ -215,7 +209,7 @@ def _micro(cfg: RunConfig, ctx: dist.Context) -> int:
 
 def _resume(r: _Loop) -> dict[str, Any]:
     """The loop state: fresh, or restored with the model, optimizers and every RNG from the checkpoint."""
-    ckpt = r.ckpt
+    ckpt = r.run.checkpoint
     if not ckpt.exists():
         return {"step": 0, "best_val": math.inf, "cl_step": None, "train_time": 0.0, "timed_steps": 0}
     saved = load_checkpoint(ckpt, r.model)
@@ -285,10 +279,10 @@ def _evaluate_and_checkpoint(r: _Loop, state: dict, loss: float, mult: float) ->
         state["cl_step"] = step
     rngs = ctx.gather(rng_state(r.gen))  # every rank's data stream, for an exact resume
     if ctx.rank == 0:
-        r.tracker.record("eval", step, _eval_record(r.run_dir, cfg, state, loss, mult, val))
+        r.tracker.record("eval", step, _eval_record(r, state, loss, mult, val))
         if crossed:
             with _averaged(r):
-                save_weights(RunDir(r.run_dir).weights("cl"), r.model, {
+                save_weights(r.run.weights("cl"), r.model, {
                     "step": str(step), "val_loss": repr(val), "threshold": repr(threshold)})
     if _regular(cfg.train, state, r.steps):
         _checkpoint(r, state, rngs, keep=cfg.train.keep_history)
@@ -300,10 +294,10 @@ def _checkpoint(r: _Loop, state: dict, rngs: list, keep: bool) -> None:
     if r.ctx.rank != 0:
         return
     extra = {} if r.robust is None or (avg := r.robust.state()) is None else {"robust": avg}
-    save_checkpoint(r.ckpt, r.model, {"optimizers": [o.state_dict() for o in r.optimizers],
+    save_checkpoint(r.run.checkpoint, r.model, {"optimizers": [o.state_dict() for o in r.optimizers],
                                       "optimizer": r.cfg.optim.name, "rng": rngs, "loop": state, **extra})
     if keep:
-        _keep(r.ckpt, r.run_dir, state["step"])
+        _keep(r.run, state["step"])
 
 
 def _finish(r: _Loop, state: dict, ended: tuple[int, str] | None) -> dict[str, Any]:
@@ -313,10 +307,10 @@ def _finish(r: _Loop, state: dict, ended: tuple[int, str] | None) -> dict[str, A
     if r.ctx.rank == 0:
         if ended is None:
             with _averaged(r):
-                save_weights(RunDir(r.run_dir).weights("final"), r.model)
-        _add_qat_degradation(summary, r.cfg, r.run_dir)
-        atomic_write_json(RunDir(r.run_dir).summary, summary)
-        r.ckpt.unlink(missing_ok=True)
+                save_weights(r.run.weights("final"), r.model)
+        _add_qat_degradation(summary, r.cfg, r.run.path)
+        atomic_write_json(r.run.summary, summary)
+        r.run.checkpoint.unlink(missing_ok=True)
     r.tracker.record("summary", state["step"], summary)
     r.tracker.close()
     return summary
@@ -331,7 +325,7 @@ def _summarise(r: _Loop, state: dict, ended: tuple[int, str] | None) -> dict[str
     cfg, model, optimizers = r.cfg, r.model, r.optimizers
     diverged_step, reason = ended or (None, None)
     summary = {
-        "run_id": r.run_dir.name, "status": "done" if ended is None else "diverged",
+        "run_id": r.run.name, "status": "done" if ended is None else "diverged",
         "diverged_step": diverged_step, "diverged_reason": reason,
         "steps": state["step"],
         "final_val_loss": state.get("last_val") if ended is None else None,
@@ -358,17 +352,17 @@ def _near_cl(tc: TrainConfig, state: dict) -> bool:
             and state["step"] >= tc.cl_eval_from and state["step"] % tc.cl_eval_every == 0)
 
 
-def _keep(ckpt: Path, run_dir: Path, step: int) -> None:
-    """Keep this evaluation's checkpoint (a hard link: free; the next save replaces `ckpt`'s inode), so a
+def _keep(run: RunDir, step: int) -> None:
+    """Keep this evaluation's checkpoint (a hard link: free; the next save replaces the checkpoint's inode), so a
     later Common-Loss run can start from the last evaluation before its crossing instead of replaying
     the whole run: the run is deterministic, so resuming from it is the same as replaying it."""
-    path = RunDir(run_dir).history_checkpoint(step)
+    path = run.history_checkpoint(step)
     path.parent.mkdir(exist_ok=True)
     path.unlink(missing_ok=True)
     try:
-        os.link(ckpt, path)
+        os.link(run.checkpoint, path)
     except OSError:  # a file system without hard links
-        shutil.copyfile(ckpt, path)
+        shutil.copyfile(run.checkpoint, path)
 
 
 def divergence(what: str, loss: float, bound: float) -> str | None:
@@ -395,11 +389,11 @@ def _load_optimizer_states(ckpt: Path, cfg: RunConfig, optimizers: list, saved: 
                             "delete it to train this run from scratch") from None
 
 
-def _eval_record(run_dir: Path, cfg: RunConfig, state: dict, loss: float, mult: float,
-                 val_loss: float) -> dict:
+def _eval_record(r: _Loop, state: dict, loss: float, mult: float, val_loss: float) -> dict:
+    cfg = r.cfg
     record = {"step": state["step"], "train_loss": loss, "val_loss": val_loss,
               "lr": cfg.optim.lr * mult, "tokens": state["step"] * cfg.train.batch_size * cfg.model.seq_len}
-    with os.fdopen(open_nofollow(RunDir(run_dir).metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
+    with os.fdopen(open_nofollow(r.run.metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
         f.write(json.dumps(record) + "\n")
     return record
 
@@ -408,14 +402,8 @@ def _add_qat_degradation(summary: dict, cfg: RunConfig, run_dir: Path) -> None:
     """For a QAT run whose FP twin (same config, no QAT) is done beside it: the paper's relative gap."""
     if cfg.qat is None or summary["final_val_loss"] is None:
         return
-    from dataclasses import replace
-
-    from optquant.runs import run_dir as twin_dir
-
     twin = read_summary(twin_dir(run_dir.parent, replace(cfg, qat=None)))
     if twin and twin.get("final_val_loss"):
-        from optquant.quant.qat import relative_degradation
-
         summary["fp_twin_val_loss"] = twin["final_val_loss"]
         summary["qat_rel_degradation_pct"] = relative_degradation(
             twin["final_val_loss"], summary["final_val_loss"], "loss")
