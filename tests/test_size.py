@@ -101,7 +101,10 @@ from pathlib import Path
 # dead arguments; plan29 −66: PTQ jobs and rows written once, the stage table read by one phases(); cfg29 −29: one
 # conversion path, ranges as annotations), with the raw-source memory bound (+8) and the robust verdict at equal FP
 # loss (+21): 17,257, budget 17,260.
-BUDGET = 17_260
+# 2026-12-06, second session: issue 32's combined architecture arm (`+`) and lawa-live (+25); issue 29's four areas
+# cut again (cli29 −43, quant29 −78, study29 −52, core29 −37: GPTQ's replace loop once, a test-only ABC split
+# moved to the reference, manifest rows from their records, the step count carried, ...): 17,072, budget 17,080.
+BUDGET = 17_080
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 
