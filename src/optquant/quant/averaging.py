@@ -44,7 +44,8 @@ class WeightAverage:
             self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(value), use_buffers=False)
             self.ema.requires_grad_(False)
         else:
-            self.k, self.snaps, self.live, self.kept_now = int(value), [], method == "lawa-live", True
+            self.k, self.snaps, self.live = int(value), [], method == "lawa-live"
+        self.kept_now = True  # the weights are the last update's (lawa-live counts them only once they move on)
 
     def due(self, step: int) -> bool:
         """Whether optimizer step `step` (0-based) ends with an update."""
@@ -57,15 +58,16 @@ class WeightAverage:
         """After optimizer step `step`: update the average if it is due (else the weights have moved on)."""
         if self.due(step):
             self.update()
-        elif self.method != "ema":
+        else:
             self.kept_now = False
 
     @torch.no_grad()
     def update(self) -> None:
+        self.kept_now = True
         if self.method == "ema":
             self.ema.update_parameters(self.model)
             return
-        self.snaps, self.kept_now = [*self.snaps, [p.detach().clone() for p in self.params]][-self.k:], True
+        self.snaps = [*self.snaps, [p.detach().clone() for p in self.params]][-self.k:]
 
     @torch.no_grad()
     def averaged(self) -> list[torch.Tensor] | None:

@@ -62,7 +62,7 @@ from optquant.evaluate import hidden_states
 from optquant.quant.layers import linear_layers
 from optquant.quant.qat import QATLinear, prepare_qat_, ste_quantize
 from optquant.quant.qat_config import QATConfig
-from optquant.quant.robust_config import RobustConfig
+from optquant.quant.robust_config import AVERAGES, RobustConfig
 
 Quantizer = Callable[[Tensor, int], Tensor]  # (x, bits) -> x̂ with a straight-through gradient
 
@@ -204,7 +204,7 @@ class Robust:
         self.grams = InputGrams(layers) if cfg.method == "gain" else None
         self.label = f"{cfg.method}:{cfg.value:g}"
         self.average = None
-        if cfg.method in ("ema", "lawa", "lawa-live"):
+        if cfg.method in AVERAGES:
             from optquant.quant.averaging import WeightAverage
 
             self.average = WeightAverage(model, cfg.method, cfg.value, cfg.every, eval_every, steps)

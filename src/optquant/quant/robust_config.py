@@ -8,14 +8,16 @@ before it existed stays valid, and the training loop takes its old path bit for 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from msgspec import Meta
 
 from optquant.errors import OptquantError
 from optquant.ranges import Count
 
-ROBUST_METHODS: tuple[str, ...] = ("none", "penalty", "gain", "late-qat", "ema", "lawa", "lawa-live")
+RobustMethod = Literal["none", "penalty", "gain", "late-qat", "ema", "lawa", "lawa-live"]
+ROBUST_METHODS: tuple[str, ...] = get_args(RobustMethod)
+AVERAGES = ("ema", "lawa", "lawa-live")  # the methods whose run evaluates and saves a weight average
 # `strength` when it is left unset: penalty λ, gain target τ, late-QAT fraction of the steps, EMA decay β
 # (a window of ~50 steps: the study's runs are a few hundred steps long), LAWA's k checkpoints
 DEFAULT_STRENGTH = {"penalty": 0.1, "gain": 4.0, "late-qat": 0.2, "ema": 0.98, "lawa": 5.0, "lawa-live": 5.0}
@@ -41,7 +43,7 @@ class RobustConfig:
               final models, and an average that moves with every step (and jumps as its oldest checkpoint leaves)
     """
 
-    method: Literal["none", "penalty", "gain", "late-qat", "ema", "lawa", "lawa-live"] = "none"
+    method: RobustMethod = "none"
     strength: float | None = None  # None = DEFAULT_STRENGTH[method]
     every: Count = 1  # penalty / gain: on every k-th optimizer step (steps 0, k, 2k, ...)
     # the quantizer's weight and activation bits (W4A4 as the study's PTQ and QAT)
