@@ -363,13 +363,20 @@ def _average(method: str, value: float, every: int = 1, eval_every: int = 1, ste
     return lin, WeightAverage(lin, method, value, every, eval_every, steps)
 
 
-def test_ema_is_the_closed_form_recursion():
-    lin, avg = _average("ema", 0.7, every=2)
-    gen, beta, e = torch.Generator().manual_seed(0), 0.7, None
-    assert avg.averaged() is None  # before the first update: nothing to average
-    for step in range(9):
+def _random_steps(lin, n: int):
+    """(step, w) for steps 0..n−1, the layer's weight set to a new random w before each is yielded."""
+    gen = torch.Generator().manual_seed(0)
+    for step in range(n):
         w = torch.randn(2, 3, generator=gen, dtype=torch.float64)
         lin.weight.data.copy_(w)
+        yield step, w
+
+
+def test_ema_is_the_closed_form_recursion():
+    lin, avg = _average("ema", 0.7, every=2)
+    beta, e = 0.7, None
+    assert avg.averaged() is None  # before the first update: nothing to average
+    for step, w in _random_steps(lin, 9):
         if avg.due(step):  # after steps 2, 4, 6, 8 (done counts)
             avg.update()
             e = w.clone() if e is None else beta * e + (1 - beta) * w
@@ -382,10 +389,8 @@ def test_ema_is_the_closed_form_recursion():
 
 def test_lawa_is_the_equal_average_of_the_last_k_kept_checkpoints():
     lin, avg = _average("lawa", 3, eval_every=5, steps=23)
-    gen, kept = torch.Generator().manual_seed(0), []
-    for step in range(23):
-        w = torch.randn(2, 3, generator=gen, dtype=torch.float64)
-        lin.weight.data.copy_(w)
+    kept = []
+    for step, w in _random_steps(lin, 23):
         if avg.due(step):
             avg.update()
             kept.append((step + 1, w.clone()))
@@ -400,10 +405,8 @@ def test_lawa_is_the_equal_average_of_the_last_k_kept_checkpoints():
 def test_lawa_live_is_the_last_k_minus_1_kept_checkpoints_and_the_current_weights():
     """Between kept checkpoints the current weights are the newest of the k; at a kept one, lawa's average."""
     lin, avg = _average("lawa-live", 3, eval_every=5, steps=23)
-    gen, kept = torch.Generator().manual_seed(0), []
-    for step in range(23):
-        w = torch.randn(2, 3, generator=gen, dtype=torch.float64)
-        lin.weight.data.copy_(w)
+    kept = []
+    for step, w in _random_steps(lin, 23):
         avg.step(step)
         if avg.due(step):
             kept.append(w.clone())
