@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from optquant.config import RunConfig
+from optquant.config import RunConfig, override
 from optquant.files import atomic_write_json, atomic_write_text, write_parquet
 from optquant.harness import HarnessConfig, task_manager
 from optquant.ptq_stage import AnalysisConfig, scheme_config
@@ -267,8 +267,9 @@ def qat_stage(study: Study, state: State) -> None:
 
 def robust_stage(study: Study, state: State) -> None:
     """The robust arm (study/robust.py): each best-LR run of every seed again with each `robust` entry, with
-    the size's CL threshold set; every PTQ scheme on their CL models, the first on their final models and
-    the plain runs' (the plain CL models' PTQ is the PTQ stage's, read back). Writes robust.parquet."""
+    the size's CL threshold set, and again to its crossing where it crossed early (`early_crossings`); every
+    PTQ scheme on their CL models, the first on their final models and the plain runs' (the plain CL models'
+    PTQ is the PTQ stage's, read back). Writes robust.parquet."""
     from optquant.study.robust import robust_rows
 
     spec, plain, cfgs, thresholds, cl_paths = study.spec, {}, {}, state.thresholds, state.cl_paths
@@ -286,12 +287,35 @@ def robust_stage(study: Study, state: State) -> None:
     summaries = study.train("robust", cfgs)
     runs = {key: run_dir(study.runs, cfg) for key, cfg in cfgs.items()}
     cl_models = {key: p for key, p in runs.items() if summaries[key].get("cl_step") is not None}
+    again = early_crossings(study.runs, cfgs, summaries)
+    for key, s in study.train("robust common loss again", again).items():
+        if s.get("cl_step") is None:  # a deterministic replay crosses where its robust run did
+            log.warning("%s did not cross again; its CL model stays the regular evaluation's", s.get("run_id"))
+            continue
+        cl_models[key] = run_dir(study.runs, again[key])
+        summaries[key] = {**summaries[key], "cl_step": s["cl_step"]}
     cl_models |= {(*key, "none"): p for key, p in cl_paths.items() if (*key, "none") in plain}
     finals = {**plain, **{key: p for key, p in runs.items() if summaries[key].get("status") == "done"}}
     results = study.run("robust ptq", [*ptq_jobs(spec, cl_models.values(), "cl", spec.ptq_schemes),
                                        *ptq_jobs(spec, finals.values(), "final", [spec.ptq_schemes[0]])])
     by_run = {runs[key].name: s for key, s in summaries.items()}
     write_parquet(study.dir.robust, robust_rows(spec, cl_models, finals, {**plain, **runs}, {**by_run, **results}))
+
+
+def early_crossings(runs: Path, cfgs: dict[Hashable, RunConfig], summaries: dict[Hashable, Result]) -> dict:
+    """The robust runs that crossed the CL threshold before their fine evaluations began (those begin where the
+    plain run of the seed began its own search; a method that learns faster crosses earlier, at a regular
+    evaluation, and its CL model would sit up to `eval_every` steps past the crossing): each again, as the
+    plain CL runs are, with fine evaluations from its own last evaluation above the threshold, stopping at the
+    crossing. The runs are deterministic, so the replay is the robust run up to there (robust runs keep no
+    history to start from)."""
+    again = {}
+    for key, cfg in cfgs.items():
+        tc, step = cfg.train, summaries[key].get("cl_step")
+        if step is not None and tc.cl_eval_every > 0 and step <= tc.cl_eval_from:
+            start = last_eval_before(read_metrics(run_dir(runs, cfg)), tc.cl_threshold)
+            again[key] = override(cfg, {"train.cl_eval_from": start, "train.stop_at_cl": True})
+    return again
 
 
 def results_stage(study: Study, state: State) -> None:
@@ -399,10 +423,12 @@ STEPS = (
     Step(robust_stage, (
         Stage("robust", "robust arm (every entry × seed, full budget)", lambda spec, c: _each(
             spec, lambda o: len(spec.seeds) * len(spec.robust))),
+        Stage("robust", "robust CL again (crossed early, ≤ bound)", lambda spec, c: _each(
+            spec, lambda o: len(spec.seeds) * len(spec.robust)), expected=_half),
         # every scheme on each robust and plain CL model (the plain ones read back from the PTQ stage, still
         # jobs of this stage), the first on every robust and plain final model
-        Stage("ptq", "robust ptq (≤ bound)", lambda spec, c: {
-            k: (c["robust"][k] + bool(spec.robust) * c["cl"][k]) * (len(spec.ptq_schemes) + 1) for k in _pairs(spec)}),
+        Stage("ptq", "robust ptq (≤ bound)", lambda spec, c: _each(spec, lambda o: (
+            len(spec.seeds) * len(spec.robust) + bool(spec.robust) * len(spec.seeds)) * (len(spec.ptq_schemes) + 1))),
     )),
     Step(results_stage),
 )

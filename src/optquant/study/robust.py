@@ -4,10 +4,12 @@ An entry is `method[:strength[:every]]` (quant/robust_config.py), e.g. `robust=p
 For each (optimizer, size) and every seed of its best LR, the run is repeated with the method on: the same
 config, LR and seed, trained for the whole budget, with the size's Common-Loss threshold set, so its first
 evaluation at or below the threshold is kept (fine evaluations every `cl_eval_every` steps from where the
-plain run of that seed started its own search; a robust run that crosses earlier is caught at a regular
-evaluation). Measured, as for the plain runs: at the Common Loss every PTQ scheme's damage with R_L, the
-ABC sums and the gains; on the final model the first scheme's damage and the FP validation loss (the
-evaluator in fp32, so a late-QAT model's FP loss too, not its quantized one); the mean step time.
+plain run of that seed started its own search; a robust run that crosses earlier, at a regular evaluation, is
+run again to its crossing with fine evaluations from its own last evaluation above the threshold: its CL model
+and `cl_step` are that run's, the rest its full run's). Measured, as for the plain runs: at the Common Loss
+every PTQ scheme's damage with R_L, the ABC sums and the gains; on the final model the first scheme's damage
+and the FP validation loss (the evaluator in fp32, so a late-QAT model's FP loss too, not its quantized one);
+the mean step time.
 
 Everything goes to robust.parquet, long: optimizer, size, seed, arm ("none" = the plain run), weights
 ("cl" | "final" | "train"), scheme, metric, value. The report's Robustness table pairs each arm with the
