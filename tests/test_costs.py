@@ -56,6 +56,16 @@ def test_costs_logged_and_finished_jobs_not_rerun(nano_cfg, tmp_path, monkeypatc
     assert again == results and len(read_timings(tmp_path)) == 3
 
 
+def test_a_robust_arms_model_option_run_is_logged_as_robust(nano_cfg, tmp_path):
+    """A robust entry that changes only the model (model.attn_gate=true) leaves the method plain with the CL
+    threshold set, so its config reads as a Common-Loss run's: the study says its kind (plan.robust_stage), or
+    the ETA would price it, and the cost section count it, as a short CL re-run."""
+    cfg = apply_overrides(nano_cfg, ["train.steps=6", "model.attn_gate=true", "train.cl_threshold=1.0"])
+    assert TrainJob(cfg, tmp_path / "runs" / "a").stage == "cl"
+    execute([TrainJob(cfg, tmp_path / "runs" / "a", "robust")], "local", 1, tmp_path / "submitit")
+    assert [r["stage"] for r in read_timings(tmp_path)] == ["robust"]
+
+
 def test_ptq_job_loads_once_and_matches_separate_calls(nano_cfg, tmp_path, monkeypatch):
     import optquant.ptq_stage as analysis
 

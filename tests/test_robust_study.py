@@ -17,7 +17,8 @@ import pytest
 from optquant.report.paper import label
 from optquant.report.robust import robust_section
 from optquant.report.tables import Table
-from optquant.runs import StudyDir
+from optquant.report.timings import read_timings
+from optquant.runs import RunDir, StudyDir, read_summary
 from optquant.study.plan import run_study
 from optquant.study_spec import apply_study_overrides, study_preset
 
@@ -41,9 +42,20 @@ def test_the_arm_writes_every_new_entry_and_the_report_carries_it(study, tmp_pat
     assert set(df["arm"]) == {"none", *ENTRIES}
     trained = df[(df["weights"] == "train") & (df["metric"] == "mean_step_seconds")]
     assert trained.groupby("arm").size().to_dict() == {a: 4 for a in ("none", *ENTRIES)}  # 2 optimizers × 2 seeds
-    configs = [json.loads(p.read_text()) for p in (study / "runs").glob("*/config.json")]
-    models = [c["config"]["model"] if "config" in c else c["model"] for c in configs]
-    assert sum(m.get("block") == "op" for m in models) == 4 and sum(bool(m.get("attn_gate")) for m in models) == 4
+    configs = {p.parent.name: c.get("config", c) for p in (study / "runs").glob("*/config.json")
+               for c in [json.loads(p.read_text())]}
+    options = {run: c for run, c in configs.items() if c["model"].get("block") == "op" or c["model"].get("attn_gate")}
+    full = [c["model"] for c in options.values() if not c["train"].get("stop_at_cl")]
+    assert sum(m.get("block") == "op" for m in full) == 4 and sum(bool(m.get("attn_gate")) for m in full) == 4
+    stages = {r["key"]: r["stage"] for r in read_timings(study)}  # model-option entries are logged as robust too
+    assert {stages[run] for run in options} == {"robust"}
+    # a robust run that crossed before its fine evaluations began is run again to its crossing
+    # (plan.early_crossings): that run's model is the one quantized, its cl_step the one recorded
+    again = [run for run, c in configs.items() if c["train"].get("stop_at_cl")
+             and (run in options or c.get("robust", {}).get("method", "none") != "none")]
+    assert again and all(RunDir(study / "runs" / run).ptq("cl", "w4a4-rtn").is_dir() for run in again)
+    steps = df[(df["arm"] != "none") & (df["metric"] == "cl_step")]["value"].tolist()
+    assert all(read_summary(study / "runs" / run)["cl_step"] in steps for run in again)
 
     plain = pd.read_parquet(StudyDir(study).results)  # arm "none" is the plain runs' own PTQ, bit for bit
     plain = plain[(plain["kind"] == "cl") & (plain["scheme"] == "w4a4-rtn") & (plain["metric"] == "delta_val_loss")]

@@ -87,6 +87,7 @@ class TrainJob:
 
     cfg: RunConfig
     dir: Path
+    kind: str | None = None  # the stage's kind where the config alone cannot tell (the robust arm's model options)
 
     @property
     def key(self) -> str:
@@ -95,8 +96,8 @@ class TrainJob:
     @property
     def stage(self) -> str:
         cfg = self.cfg  # a robust run has the CL threshold set but trains its full budget
-        return ("qat" if cfg.qat is not None else "robust" if cfg.robust.method != "none"
-                else "cl" if cfg.train.cl_threshold is not None else "fp")
+        return self.kind or ("qat" if cfg.qat is not None else "robust" if cfg.robust.method != "none"
+                             else "cl" if cfg.train.cl_threshold is not None else "fp")
 
     def done(self) -> Result | None:
         summary = read_summary(self.dir)

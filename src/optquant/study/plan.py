@@ -65,10 +65,11 @@ class Study:
                                                              job_stage=job.stage, result=result, timing=timing),
                        pool=self.pool)
 
-    def train(self, stage: str, cfgs: dict[Hashable, RunConfig]) -> dict[Hashable, Result]:
-        """Train `cfgs` (each once, however many tags share a run) as one batch; tag → summary."""
+    def train(self, stage: str, cfgs: dict[Hashable, RunConfig], kind: str | None = None) -> dict[Hashable, Result]:
+        """Train `cfgs` (each once, however many tags share a run) as one batch; tag → summary. `kind`: the
+        jobs' class in costs.jsonl where their configs cannot tell it (TrainJob.stage)."""
         dirs = {tag: run_dir(self.runs, cfg) for tag, cfg in cfgs.items()}
-        unique = {d: TrainJob(cfgs[tag], d) for tag, d in dirs.items()}
+        unique = {d: TrainJob(cfgs[tag], d, kind) for tag, d in dirs.items()}
         results = self.run(stage, list(unique.values()))
         return {tag: results[d.name] for tag, d in dirs.items()}
 
@@ -284,11 +285,11 @@ def robust_stage(study: Study, state: State) -> None:
             for entry in spec.robust:
                 cfgs[(opt, size, seed, entry)] = run_config(spec, size, opt, search.best, seed, settings,
                                                             {**search.sweeps, **robust_settings(entry)})
-    summaries = study.train("robust", cfgs)
+    summaries = study.train("robust", cfgs, "robust")  # model-option entries too
     runs = {key: run_dir(study.runs, cfg) for key, cfg in cfgs.items()}
     cl_models = {key: p for key, p in runs.items() if summaries[key].get("cl_step") is not None}
     again = early_crossings(study.runs, cfgs, summaries)
-    for key, s in study.train("robust common loss again", again).items():
+    for key, s in study.train("robust common loss again", again, "robust").items():
         if s.get("cl_step") is None:  # a deterministic replay crosses where its robust run did
             log.warning("%s did not cross again; its CL model stays the regular evaluation's", s.get("run_id"))
             continue
