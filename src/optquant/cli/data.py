@@ -23,10 +23,6 @@ Rerunning the same command resumes a killed prepare (finished files are kept); t
 when manifest.json exists. Train on it with --set data.source=DIR (several: DIR1,DIR2)."""
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def add_parsers(sub) -> None:
     data = sub.add_parser("data", help="prepare a corpus once into token shards (data prepare), or describe one")
     verbs = data.add_subparsers(dest="data_command", required=True, metavar="VERB")
@@ -47,7 +43,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--val-fraction", type=flag(Annotated[float, Meta(gt=0, lt=1)]), default=0.05,
                    help="share of documents held out (default 0.05)")
     p.add_argument("--split-seed", type=flag(Natural), default=0)
-    p.add_argument("--processes", type=flag(Count), default=_cores(), help="worker processes (per job; default: the "
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    p.add_argument("--processes", type=flag(Count), default=cores, help="worker processes (per job; default: the "
                    "cores this process may use)")
     p.add_argument("--executor", choices=["local", "slurm", "submitit-local"], default="local",
                    help="local processes, or Slurm through submitit (submitit-local: the same on this machine)")
