@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated
 
@@ -58,10 +59,7 @@ def add_parsers(sub) -> None:
 
 def _prepare(args: argparse.Namespace) -> int:
     from optquant.corpus.prepare import PrepareConfig, prepare
-    cfg = PrepareConfig(text_field=args.text_field, val_fraction=args.val_fraction, split_seed=args.split_seed,
-                        tokenizer=args.tokenizer, eot=args.eot, vocab_size=args.vocab_size,
-                        sample_bytes=args.sample_bytes, processes=args.processes, executor=args.executor,
-                        jobs=args.jobs)
+    cfg = PrepareConfig(**{f.name: getattr(args, f.name) for f in fields(PrepareConfig)})  # a flag per field
     manifest = prepare(args.sources, args.out, cfg)
     _print_summary(args.out, manifest)
     print(f"train on it: --set data.source={args.out}")
