@@ -184,15 +184,8 @@ def _strip_markdown(md: str) -> str:
 
 def _fortune_items(text: str) -> list[str]:
     text = re.sub(".\x08", "", text).replace("\x07", "")  # teletype overstrike (_\bx underlines x), bells
-    items, current = [], []
-    for line in text.splitlines():
-        if line == "%":
-            items.append("\n".join(current).strip("\n").rstrip())
-            current = []
-        elif not line.startswith("%%"):  # "%%" lines are comments ($FreeBSD$ tags)
-            current.append(line)
-    items.append("\n".join(current).strip("\n").rstrip())
-    return items
+    kept = "\n".join(line for line in text.splitlines() if not line.startswith("%%"))  # comments ($FreeBSD$ tags)
+    return [item.strip("\n").rstrip() for item in re.split(r"(?m)^%$", kept)]  # items end at a line "%"
 
 
 def _read_txt(path: Path, field: str) -> list[str | None]:

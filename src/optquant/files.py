@@ -172,9 +172,11 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(path: Path) -> None:
-    """Remove temporaries for `path` left by killed writers on this host (their pid no longer runs)."""
+def temp_path(path: Path) -> Path:
+    """A fresh temporary name beside `path` (not created); stale ones of killed writers on this host (their pid
+    no longer runs) are removed first."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{path.name}.{socket.gethostname()}."
     for tmp in path.parent.glob(f".{path.name}.*.tmp"):
         rest = tmp.name[len(prefix):].split(".") if tmp.name.startswith(prefix) else []
@@ -183,14 +185,7 @@ def remove_stale_temps(path: Path) -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 tmp.unlink(missing_ok=True)
-
-
-def temp_path(path: Path) -> Path:
-    """A fresh temporary name beside `path` (not created); stale ones of dead writers are removed first."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(path)
-    return path.parent / f".{path.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    return path.parent / f"{prefix}{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
 def umask() -> int:

@@ -250,14 +250,6 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return parse_metrics(RunDir(path).metrics)
 
 
-def _holder(fd: int) -> str:
-    try:
-        text = os.pread(fd, 400, 0).decode(errors="replace").strip()
-    except OSError:
-        text = ""
-    return text or "another process"
-
-
 @contextlib.contextmanager
 def locked(path: Path, wait: bool = True) -> Iterator[None]:
     """Hold `path`/.lock: the one writer of a run (or PTQ) directory. `wait=False` (the CLI) raises at
@@ -275,7 +267,11 @@ def locked(path: Path, wait: bool = True) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
-            raise OptquantError(f"{path} is in use by {_holder(fd)}; wait for it to finish, "
+            try:  # who holds it: what its holder wrote below
+                holder = os.pread(fd, 400, 0).decode(errors="replace").strip()
+            except OSError:
+                holder = ""
+            raise OptquantError(f"{path} is in use by {holder or 'another process'}; wait for it to finish, "
                                 "or stop that process") from None
         os.ftruncate(fd, 0)
         who = f"pid {os.getpid()} on {socket.gethostname()} ({' '.join(['optquant', *sys.argv[1:]])[:200]}, " \

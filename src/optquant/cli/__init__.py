@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             sys.stdout.flush()  # here, not at interpreter exit: a reader that left (`| head`) shows up below
     except BrokenPipeError:  # `optquant report | head`: the reader has what it wanted; stop quietly
-        _silence_stdout()
+        try:  # stdout to /dev/null, so the interpreter's final flush cannot raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a descriptor
+            pass
         return 141  # 128 + SIGPIPE, what a shell reports for a tool ended by it
 
 
@@ -92,12 +95,3 @@ def _dispatch(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("optquant: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush cannot raise again."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a descriptor
-        pass

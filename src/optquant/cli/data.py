@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated
 
@@ -21,10 +22,6 @@ EPILOG = """examples:
 
 Rerunning the same command resumes a killed prepare (finished files are kept); the directory is complete
 when manifest.json exists. Train on it with --set data.source=DIR (several: DIR1,DIR2)."""
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def add_parsers(sub) -> None:
@@ -47,7 +44,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--val-fraction", type=flag(Annotated[float, Meta(gt=0, lt=1)]), default=0.05,
                    help="share of documents held out (default 0.05)")
     p.add_argument("--split-seed", type=flag(Natural), default=0)
-    p.add_argument("--processes", type=flag(Count), default=_cores(), help="worker processes (per job; default: the "
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    p.add_argument("--processes", type=flag(Count), default=cores, help="worker processes (per job; default: the "
                    "cores this process may use)")
     p.add_argument("--executor", choices=["local", "slurm", "submitit-local"], default="local",
                    help="local processes, or Slurm through submitit (submitit-local: the same on this machine)")
@@ -61,10 +59,7 @@ def add_parsers(sub) -> None:
 
 def _prepare(args: argparse.Namespace) -> int:
     from optquant.corpus.prepare import PrepareConfig, prepare
-    cfg = PrepareConfig(text_field=args.text_field, val_fraction=args.val_fraction, split_seed=args.split_seed,
-                        tokenizer=args.tokenizer, eot=args.eot, vocab_size=args.vocab_size,
-                        sample_bytes=args.sample_bytes, processes=args.processes, executor=args.executor,
-                        jobs=args.jobs)
+    cfg = PrepareConfig(**{f.name: getattr(args, f.name) for f in fields(PrepareConfig)})  # a flag per field
     manifest = prepare(args.sources, args.out, cfg)
     _print_summary(args.out, manifest)
     print(f"train on it: --set data.source={args.out}")

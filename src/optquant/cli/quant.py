@@ -83,10 +83,6 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     if p.prog.split()[-1] == "ptq":
         p.add_argument("--plan", type=Path, help="a bit plan from optquant bits: each module at its planned bits "
                        "(the scheme is the plan's; --method/--w-bits/--a-bits/... are ignored)")
-    _add_hf_flags(p)
-
-
-def _add_hf_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Hugging Face models (needs pip install 'optquant[hf]')")
     g.add_argument("--hf", type=Path, action=HFModel, metavar="PATH", help="analyse a local Hugging Face causal LM "
                    "folder (Llama, Mistral, Qwen2, Qwen3, OLMo2) instead of a run; nothing is downloaded")

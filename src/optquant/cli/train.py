@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from optquant.config import resolve
-    from optquant.runs import locked, read_summary, run_dir
+    from optquant.runs import LOCK, locked, read_summary, run_dir
     from optquant.train import train
 
     if args.dry_run:
@@ -77,8 +77,10 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix(loss=f"{info['loss']:.3f}", tok_s=f"{info['tokens_per_s']:.0f}")
 
     with locked(path, wait=False) if main_rank else contextlib.nullcontext():
-        if args.force and main_rank:
-            _clear_run(path)  # the other ranks wait for this in train()'s process-group barrier
+        if args.force and main_rank:  # all but the lock (held here); the other ranks wait in train()'s barrier
+            for child in path.iterdir():
+                if child.name != LOCK:
+                    shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
         summary = train(cfg, path, on_step=on_step)
     bar.close()
     if main_rank:
@@ -88,12 +90,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"optquant: {path.name} diverged at step {summary['diverged_step']}: "
                   f"{summary.get('diverged_reason')}", file=sys.stderr)
     return 0 if summary["status"] == "done" else 3
-
-
-def _clear_run(path: Path) -> None:
-    """Everything in a run directory but its lock (held by this process)."""
-    from optquant.runs import LOCK
-
-    for child in path.iterdir():
-        if child.name != LOCK:
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()

@@ -38,7 +38,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from optquant.corpus.manifest import MANIFEST, SPLITS, read_manifest, write_manifest
-from optquant.corpus.sources import Input, documents, resolve_inputs
+from optquant.corpus.sources import EOT, Input, documents, resolve_inputs
 from optquant.corpus.tokenizer import load_user_tokenizer, tokenizer_hash, train_on_sample
 from optquant.data import DataConfig, is_val
 from optquant.errors import OptquantError
@@ -193,13 +193,6 @@ def _submit(tasks: list[Task], cfg: PrepareConfig, folder: Path) -> None:
         job.result()
 
 
-def _tokenizer(inputs: list[Input], cfg: PrepareConfig) -> tuple[Tokenizer, str]:
-    if cfg.tokenizer:
-        return load_user_tokenizer(Path(cfg.tokenizer), cfg.eot or None)
-    log.info("training a %d-token byte-level BPE on ≤ %d bytes of the train split", cfg.vocab_size, cfg.sample_bytes)
-    return train_on_sample(inputs, cfg.split(), cfg.vocab_size, cfg.sample_bytes), "<|endoftext|>"
-
-
 def _plan(out: Path, inputs: list[Input], cfg: PrepareConfig) -> dict:
     """What this prepare is: the inputs, the settings and the tokenizer. A resumed prepare must match it."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in ("processes", "executor", "jobs")}
@@ -216,7 +209,12 @@ def _plan(out: Path, inputs: list[Input], cfg: PrepareConfig) -> dict:
         return old
     if out.exists() and any(p.name != WORK for p in out.iterdir()):
         raise OptquantError(f"--out {out} exists and is not empty; choose a new directory")
-    tok, eot = _tokenizer(inputs, cfg)
+    if cfg.tokenizer:
+        tok, eot = load_user_tokenizer(Path(cfg.tokenizer), cfg.eot or None)
+    else:
+        log.info("training a %d-token byte-level BPE on ≤ %d bytes of the train split", cfg.vocab_size,
+                 cfg.sample_bytes)
+        tok, eot = train_on_sample(inputs, cfg.split(), cfg.vocab_size, cfg.sample_bytes), EOT
     atomic_write_text(out / "tokenizer.json", tok.to_str())
     vocab = tok.get_vocab_size()
     saved = Tokenizer.from_file(str(out / "tokenizer.json"))

@@ -51,20 +51,14 @@ def _under(root: Path) -> list[tuple[str, Path]]:
     return [(p.relative_to(root).as_posix(), p) for p in sorted(root.rglob("*")) if p.is_file() and suffix(p)]
 
 
-def _glob_root(pattern: str) -> Path:
-    parts = Path(pattern).parts
-    fixed = parts[: next(i for i, p in enumerate(parts) if glob.has_magic(p))]
-    return Path(*fixed) if fixed else Path(".")
-
-
 def resolve_inputs(sources: list[str]) -> list[Input]:
     """Every input file of `sources`, sorted by name; a file reached twice counts once. Raises if a source
     matches nothing, a file has an unsupported type, or two different files get the same name."""
     found: dict[str, Path] = {}
     for source in sources:
         path = Path(source).expanduser()
-        if glob.has_magic(source):
-            root = _glob_root(str(path))
+        if glob.has_magic(source):  # names relative to the pattern's fixed prefix
+            root = Path(*path.parts[: next(i for i, p in enumerate(path.parts) if glob.has_magic(p))])
             hits = [Path(p) for p in sorted(glob.glob(str(path), recursive=True))]
             files = [(h.relative_to(root).as_posix(), h) for h in hits if h.is_file() and suffix(h)]
             files += [(p.relative_to(root).as_posix(), p) for h in hits if h.is_dir() for _, p in _under(h)]
