@@ -83,9 +83,8 @@ def estimate_cost(job: Job) -> float:
 
 
 def longest_first(jobs: list[Job]) -> list[Job]:
-    """Jobs by decreasing estimated cost (stable: equal costs keep their order)."""
-    costs = {job.key: estimate_cost(job) for job in jobs}
-    return sorted(jobs, key=lambda j: -costs[j.key])
+    """Jobs by decreasing estimated cost (stable: equal costs keep their order; each job costed once)."""
+    return sorted(jobs, key=lambda j: -estimate_cost(j))
 
 
 def timing_record(job: Job, timing: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -108,11 +107,10 @@ def append_timing(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def _init_worker(threads: int, parent: int | None = None) -> None:
+def _init_worker(threads: int, parent: int) -> None:
     import warnings
 
-    if parent is not None:
-        die_with_parent(parent)
+    die_with_parent(parent)
     import torch
 
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
