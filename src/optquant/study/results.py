@@ -179,12 +179,9 @@ def correlations(df: pd.DataFrame, n_boot: int = 500) -> pd.DataFrame:
     n = tidy.groupby(index, sort=False)[["n", "n_cl"]].max()
     # unstack (not pivot_table): only the (size, scheme, metric, target) combinations that exist
     wide = tidy.set_index([*index, "method"])[["r", "ci_low", "ci_high", "p"]].unstack("method")
-    wide.columns = [_col(a, b) for a, b in wide.columns]
+    suffix = {"r": "", "ci_low": "_lo", "ci_high": "_hi", "p": "_p"}
+    wide.columns = [method + suffix[value] for value, method in wide.columns]
     return n.join(wide).reset_index()
-
-
-def _col(value: str, method: str) -> str:
-    return {"r": method, "ci_low": f"{method}_lo", "ci_high": f"{method}_hi", "p": f"{method}_p"}[value]
 
 
 def fits(df: pd.DataFrame, interval: str = "bootstrap", map_fn: Callable = map) -> dict[str, Any]:
@@ -237,8 +234,8 @@ def write_results(study, found: dict[tuple[str, str], LRSearch], thresholds: dic
     corr = correlations(df)
     write_parquet(study.dir.correlations, corr)
     local = study.pool is not None and study.spec.executor == "local" and study.spec.workers > 1
-    pool = study.pool.get() if local else None  # the fits on the study's workers, in parallel
-    atomic_write_json(study.dir.fits, fits(df, study.spec.fit_interval, pool.map if pool else map))
+    map_fn = study.pool.get().map if local else map  # the fits on the study's workers, in parallel
+    atomic_write_json(study.dir.fits, fits(df, study.spec.fit_interval, map_fn))
     atomic_write_json(study.dir.best,  # a list: an optimizer's name may be a path (a "/" in a key)
                       [{"optimizer": o, "size": s, **best_record(r)} for (o, s), r in found.items()])
     log.info("results: %d rows, %d correlations", len(df), len(corr))
