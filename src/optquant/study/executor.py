@@ -197,6 +197,7 @@ def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
     without a folder). `on_done(job, result, record)`: record is the job's costs.jsonl line (None: answered
     from its files). `pool`: local workers to reuse (a study's)."""
     costs = None if folder is None else StudyDir(Path(folder).parent).costs
+    on_done = on_done or (lambda *_: None)
     results, todo = {}, []
     for job in jobs:
         done = job.done()
@@ -204,8 +205,7 @@ def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
             todo.append(job)
             continue
         results[job.key] = done
-        if on_done is not None:
-            on_done(job, done, None)
+        on_done(job, done, None)
     todo = longest_first(todo)
     stream = (run_local(todo, workers, pool) if executor == "local"
               else run_submitit(todo, folder, "local" if executor == "submitit-local" else None))
@@ -215,6 +215,5 @@ def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
         record = timing_record(job, timing, max(1, min(n_workers, len(todo))))
         if costs is not None:
             append_timing(costs, record)
-        if on_done is not None:
-            on_done(job, result, record)
+        on_done(job, result, record)
     return results
