@@ -84,16 +84,12 @@ class TrainJob:
         return summary
 
     def cost(self) -> float:
-        """Training FLOPs: 6·N·D + attention (cost.training_flops)."""
-        from optquant.cost import at_depth, meta_models, training_flops
-        from optquant.model import count_params
-        from optquant.train import steps_for
+        """Training FLOPs: 6·N·D + attention (cost.training_flops), N every parameter, D the tokens of the run's
+        budget as the dry run counts them (cost.run_cost)."""
+        from optquant.cost import run_cost, training_flops
 
-        cfg, models = self.cfg, meta_models(self.cfg)
-        n = at_depth(cfg, models, count_params)
-        budget = n if cfg.train.budget_params == "total" else at_depth(cfg, models, lambda m: count_params(m, False))
-        tokens = steps_for(cfg, budget) * cfg.train.batch_size * cfg.model.seq_len
-        return training_flops(cfg, n, tokens)
+        b = run_cost(self.cfg)
+        return training_flops(self.cfg, b.n_params, b.tokens)
 
     def run(self) -> tuple[Result, dict[str, float]]:
         with locked(Path(self.dir)):
