@@ -189,14 +189,14 @@ def run_submitit(jobs: list[Job], folder: Path, cluster: str | None) -> Iterator
         yield job, future.result()
 
 
-def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
+def execute(jobs: list[Job], executor: str, workers: int, folder: Path,
             on_done: Callable[[Job, Result, dict | None], None] | None = None,
             pool: WorkerPool | None = None) -> dict[str, Result]:
     """Run `jobs` with the chosen executor; returns key → result. Jobs already done are read, not
-    run; each job that runs is logged to costs.jsonl beside `folder`, i.e. in the study directory (no log
-    without a folder). `on_done(job, result, record)`: record is the job's costs.jsonl line (None: answered
-    from its files). `pool`: local workers to reuse (a study's)."""
-    costs = None if folder is None else StudyDir(Path(folder).parent).costs
+    run; each job that runs is logged to costs.jsonl beside `folder`, i.e. in the study directory.
+    `on_done(job, result, record)`: record is the job's costs.jsonl line (None: answered from its files).
+    `pool`: local workers to reuse (a study's)."""
+    costs = StudyDir(Path(folder).parent).costs
     on_done = on_done or (lambda *_: None)
     results, todo = {}, []
     for job in jobs:
@@ -213,7 +213,6 @@ def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
     for job, (result, timing) in stream:
         results[job.key] = result
         record = timing_record(job, timing, max(1, min(n_workers, len(todo))))
-        if costs is not None:
-            append_timing(costs, record)
+        append_timing(costs, record)
         on_done(job, result, record)
     return results
