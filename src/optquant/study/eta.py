@@ -4,14 +4,14 @@ Counting jobs makes a poor clock: a study's jobs differ a thousandfold in cost (
 QAT run at the largest size minutes), and the slow QAT stage comes after the fast PTQ jobs. So the plan is
 priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start (`plan_cells`: its
 expected job count and a prior cost per job, `PRIOR`, scaled by the study's probe). Each costs.jsonl record
-(study/executor.py) then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best LR's
-runs, under the machine's current load); for CL and QAT, its FP twin's mean times the CL/FP or QAT/FP ratio
-measured in other cells; the prior scaled by the measured/prior ratio of the same class and size (with the
-same optimizer, then any); with a probe, the probed prior itself (a size's ratio does not carry to another
-size, whose fixed costs differ: the smallest size's first jobs ran 1.5× their prior where the others ran
-0.9–1.0×); without one, the ratio of the same class and optimizer, then class, then all jobs. A job of a
-later step of the table ends the earlier ones (their counts become what ran: extensions that never came are
-dropped), and the PTQ counts are recomputed from the FP runs that actually finished.
+(study/executor.py) then replaces a prior by measurement, in this order: the mean of the cell's last three
+jobs (the best LR's runs, under the machine's current load); for CL and QAT, its FP twin's mean times the
+CL/FP or QAT/FP ratio measured in other cells; the prior scaled by the measured/prior ratio of the same class
+and size (with the same optimizer, then any); with a probe, the probed prior itself (a size's ratio does not
+carry to another size, whose fixed costs differ: the smallest size's first jobs ran 1.5× their prior where the
+others ran 0.9–1.0×); without one, the ratio of the same class and optimizer, then class, then all jobs. A job
+of a later step of the table ends the earlier ones (their counts become what ran: extensions that never came
+are dropped), and the PTQ counts are recomputed from the FP runs that actually finished.
 
 remaining wall time = remaining worker-seconds / measured parallelism (worker-seconds done per second of
 wall time, between 1 and `workers`) − the time since the last completion; the display counts down
