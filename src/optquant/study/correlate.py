@@ -48,9 +48,8 @@ def bootstrap_ci(
 
 
 def _one(x: np.ndarray, y: np.ndarray, method: str, n_boot: int, level: float, seed: int) -> dict:
-    nan = dict(r=math.nan, p=math.nan, ci_low=math.nan, ci_high=math.nan, boot_degenerate=math.nan)
     if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return nan
+        return dict.fromkeys(("r", "p", "ci_low", "ci_high", "boot_degenerate"), math.nan)
     res = stats.pearsonr(x, y) if method == "pearson" else stats.spearmanr(x, y)
     lo, hi, degenerate = bootstrap_ci(x, y, method, n_boot=n_boot, level=level, seed=seed)
     return dict(r=float(res.statistic), p=float(res.pvalue), ci_low=lo, ci_high=hi, boot_degenerate=degenerate)
