@@ -57,7 +57,6 @@ def metric_rows(base: dict[str, Any], scheme: str, values: dict[str, Any], names
 
 def gather(study, found: dict[tuple[str, str], LRSearch], thresholds: dict, cl_paths: dict, qat: dict) -> pd.DataFrame:
     rows: list[dict[str, Any]] = []
-    sweep = AnalysisConfig(weights="final")
 
     def base(run: Path, summary: dict, kind: str, key: tuple[str, str], lr: float, seed: int, best: bool) -> dict:
         """A run's identifying columns, carried from the search (its LR and seed) and the spec."""
@@ -73,16 +72,15 @@ def gather(study, found: dict[tuple[str, str], LRSearch], thresholds: dict, cl_p
             flags = {"diverged": float(s["status"] == "diverged"), "best_lr_at_edge": float(search.status == "cap"),
                      "lr_bracketed": float(search.status == "bracketed")}
             rows += metric_rows(row, "none", {**s, **flags}, (*FP_METRICS, *flags))
-            rows += _ptq_rows(run, row, sweep, study.spec.sweep_ptq_schemes, OUTLIER_METRICS)
+            rows += _ptq_rows(run, row, "final", study.spec.sweep_ptq_schemes, OUTLIER_METRICS)
             if not study.spec.sweep_ptq_schemes and (outliers := RunDir(run).outliers("final")).exists():
                 rows += metric_rows(row, "none", read_json(outliers), OUTLIER_METRICS)
-    acfg = AnalysisConfig(weights="cl")
     for (opt, size, seed), run in cl_paths.items():
         s = read_summary(run)
         row = base(run, s, "cl", (opt, size), found[(opt, size)].best, seed, True)
         rows += metric_rows(row, "none", {"cl_threshold": thresholds[size], "cl_step": s["cl_step"]},
                             ("cl_threshold", "cl_step"))
-        rows += _ptq_rows(run, row, acfg, study.spec.ptq_schemes, ("val_loss", "mc_acc", "mc_acc_norm",
+        rows += _ptq_rows(run, row, "cl", study.spec.ptq_schemes, ("val_loss", "mc_acc", "mc_acc_norm",
                                                                    *OUTLIER_METRICS))
     for run_id, (key, lr, seed, bits, s) in qat.items():
         row = {**base(study.runs / run_id, s, "qat", key, lr, seed, True), "bits": bits}
@@ -121,10 +119,10 @@ def _side(damage: dict, metrics: dict, tag: str) -> dict:
     return plain | (damage if tag == "q" else {}) | metrics
 
 
-def _ptq_rows(run: Path, base: dict, acfg: AnalysisConfig, schemes, fp: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Each scheme's damage, ABC terms and lm-eval scores on a run's weights (the CL model's, or an FP run's final
+def _ptq_rows(run: Path, base: dict, weights: str, schemes, fp: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each scheme's damage, ABC terms and lm-eval scores on a run's `weights` (the CL model's, or an FP run's final
     model's), and once, from the first scheme's files, the FP model's `fp` metrics and scores."""
-    rows = []
+    rows, acfg = [], AnalysisConfig(weights=weights)
     for i, scheme in enumerate(schemes):
         damage = read_result(run, acfg, scheme, "damage") or {}
         metrics = read_result(run, acfg, scheme, "analysis") or {}
