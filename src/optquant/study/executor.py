@@ -1,9 +1,7 @@
 """Executors: run a batch of independent jobs locally (worker processes) or on Slurm (submitit).
 
-A job is any picklable object with `key`, `done`, `cost`, `run` and `describe` (the `Job` protocol of
-study/jobs.py); the executor knows no kinds of job. Every job is idempotent (its outputs are files
-written atomically, found and reused on a rerun), so a killed study is resumed by running the same
-batch again.
+A job is any picklable object with `key`, `done`, `cost`, `run` and `describe` (the idempotent `Job` of
+study/jobs.py); the executor knows no kinds of job.
 
 - `local`: a pool of `workers` spawned processes; the machine's cores are split evenly between them
   (torch threads per worker = cores // workers). workers=1 runs jobs in this process. The workers die
