@@ -111,6 +111,7 @@ class _Loop:
     gen: torch.Generator  # this rank's data stream
     tracker: Any
     steps: int
+    micro: int  # sequences per forward pass: the batch split over accumulation steps and processes
     bf16: bool  # the steps' autocast
     bound: float  # a loss above it has diverged (train.diverge_factor × ln vocab; 0 = off)
     robust: Any = None  # quant.robust.Robust for a robust.method other than "none"
@@ -174,7 +175,8 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
         raise OptquantError(f"train.batch_size={tc.batch_size} is not divisible by grad_accum×processes "
                             f"= {tc.grad_accum}×{ctx.world_size}")
     data = load_tokens(cfg.data, cfg.model.vocab_size)
-    check_enough(data.train, _micro(cfg, ctx), cfg.model.seq_len, "train")
+    micro = tc.batch_size // (tc.grad_accum * ctx.world_size)
+    check_enough(data.train, micro, cfg.model.seq_len, "train")
     val_batch = tc.batch_size // tc.grad_accum  # one process's micro-batch, split over the ranks below
     check_enough(data.val, val_batch, cfg.model.seq_len, "val")
     model = build_model(cfg).to(ctx.device)
@@ -194,17 +196,10 @@ def _setup(cfg: RunConfig, run_dir: Path, ctx: dist.Context) -> _Loop:
     val = [(x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]) for x, y in
            fixed_batches(data.val, tc.eval_batches, val_batch, cfg.model.seq_len, seed=cfg.seed + 12345)]
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17 + ctx.rank)
-    robust = None
-    if cfg.robust.method != "none":
-        robust = Robust(cfg.robust, model, steps, ctx.world_size, tc.eval_every)
+    robust = Robust(cfg.robust, model, steps, ctx.world_size, tc.eval_every) if cfg.robust.method != "none" else None
     return _Loop(cfg, RunDir(run_dir), ctx, model, ddp_model, run_model, eval_model, optimizers, data.train, val, gen,
-                 tracker, steps, use_bf16(tc.precision, ctx.device),
+                 tracker, steps, micro, use_bf16(tc.precision, ctx.device),
                  tc.diverge_factor * math.log(cfg.model.vocab_size), robust)
-
-
-def _micro(cfg: RunConfig, ctx: dist.Context) -> int:
-    """Sequences per forward pass: the batch split over accumulation steps and processes."""
-    return cfg.train.batch_size // (cfg.train.grad_accum * ctx.world_size)
 
 
 def _resume(r: _Loop) -> dict[str, Any]:
@@ -237,9 +232,9 @@ def _forward_backward(r: _Loop, mult: float, step: int) -> float:
         for group in opt.param_groups:
             group["lr"] = group["base_lr"] * mult
     cfg, device = r.cfg, r.ctx.device
-    accum, micro, loss_sum = cfg.train.grad_accum, _micro(cfg, r.ctx), 0.0
+    accum, loss_sum = cfg.train.grad_accum, 0.0
     for i in range(accum):
-        x, y = get_batch(r.tokens, micro, cfg.model.seq_len, r.gen)
+        x, y = get_batch(r.tokens, r.micro, cfg.model.seq_len, r.gen)
         with r.ctx.no_sync(r.ddp_model, last=i == accum - 1), autocast(device, r.bf16):
             penalized = None if r.robust is None else r.robust.loss(r.run_model, x.to(device), y.to(device), step)
             loss = (lm_loss(r.run_model, x.to(device), y.to(device)) if penalized is None else penalized[0]) / accum

@@ -50,11 +50,7 @@ def extensions(losses: Mapping[float, float], step: float) -> list[float]:
     if best is None:
         return []
     below, above = _neighbours(losses, best)
-    new = []
-    if below is None:
-        new.append(round_lr(best / step))
-    if above is None:
-        new.append(round_lr(best * step))
+    new = (round_lr(lr) for side, lr in ((below, best / step), (above, best * step)) if side is None)
     return [lr for lr in new if lr not in losses]
 
 

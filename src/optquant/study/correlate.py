@@ -48,9 +48,8 @@ def bootstrap_ci(
 
 
 def _one(x: np.ndarray, y: np.ndarray, method: str, n_boot: int, level: float, seed: int) -> dict:
-    nan = dict(r=math.nan, p=math.nan, ci_low=math.nan, ci_high=math.nan, boot_degenerate=math.nan)
     if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return nan
+        return dict.fromkeys(("r", "p", "ci_low", "ci_high", "boot_degenerate"), math.nan)
     res = stats.pearsonr(x, y) if method == "pearson" else stats.spearmanr(x, y)
     lo, hi, degenerate = bootstrap_ci(x, y, method, n_boot=n_boot, level=level, seed=seed)
     return dict(r=float(res.statistic), p=float(res.pvalue), ci_low=lo, ci_high=hi, boot_degenerate=degenerate)
@@ -95,20 +94,18 @@ def correlate(
     groups = df.groupby(by, sort=True) if by else [(None, df)]
     out = []
     for key, g in groups:
+        group = {by: key[0] if isinstance(key, tuple) else key} if by else {}
         for metric in metrics:
             for target in targets:
                 pair = g[[metric, target]].apply(pd.to_numeric, errors="coerce").to_numpy(np.float64)
-                pair = pair[np.isfinite(pair).all(axis=1)]
-                x, y = pair[:, 0], pair[:, 1]
-                group = {by: key[0] if isinstance(key, tuple) else key} if by else {}
+                x, y = pair[np.isfinite(pair).all(axis=1)].T
                 for method in METHODS:
                     out.append(group | {"metric": metric, "target": target, "method": method, "n": len(x)}
                                | _one(x, y, method, n_boot, level, seed))
                 if control is None:
                     continue
                 cols = g[[metric, target, control]].apply(pd.to_numeric, errors="coerce").to_numpy(np.float64)
-                cols = cols[np.isfinite(cols).all(axis=1)]
-                for method in METHODS:
+                for method in METHODS:  # partial_corr drops the rows with a non-finite value itself
                     c = partial_corr(*cols.T, method, n_boot=n_boot, level=level, seed=seed)
                     row = {"metric": metric, "target": target, "method": f"{method}_partial", "n": c.n,
                            "r": c.r, "p": c.p, "ci_low": c.lo, "ci_high": c.hi, "boot_degenerate": math.nan}

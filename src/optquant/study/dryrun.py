@@ -1,16 +1,14 @@
 """`optquant study --dry-run`: a study's jobs per stage and its cost, computed from the StudySpec alone.
 
-The stages are study/plan.py's; the job counts are an estimate, with upper bounds where the study decides
-at run time (`stages`). A Common-Loss run starts from its source run's kept checkpoint of the last
-evaluation before the crossing, so it is costed as `train.eval_every` steps plus an fp32 evaluation
-every `cl_eval_every` steps (an upper bound: it stops at the crossing). PTQ and analysis jobs are a few
-forward passes over evaluation batches and are left out of the GPU-hours (well under 1 % of them at the
-paper's budget). A QAT run is costed as its FP twin: QuEST's quantizers are elementwise work outside
-the 6·N·D count; so is a robust-arm run (the `robust` entries: each a full-budget run of every seed's
-best LR; a penalty's extra forward passes and a gain cap's spectral norms are outside the count too,
-benchmarks/robust.py measures them). The data lines give per size the tokens a run draws, the corpus's
-training tokens (a prepared corpus's manifest, or the embedded corpus's tokens) and the epochs;
-`check_study_epochs` is the study's refusal of a size past `data.max_epochs`.
+The stages are study/plan.py's; the job counts are an estimate, with upper bounds where the study decides at
+run time (`stages`). A Common-Loss run starts from its source run's kept checkpoint of the last evaluation
+before the crossing, so it costs a fraction of a full run (`cl_fraction`, an upper bound: it stops at the
+crossing). PTQ and analysis jobs are a few forward passes over evaluation batches and are left out of the
+GPU-hours (well under 1 % of them at the paper's budget). A QAT run is costed as its FP twin: QuEST's
+quantizers are elementwise work outside the 6·N·D count; so is a robust-arm run (the `robust` entries: each a
+full-budget run of every seed's best LR; a penalty's extra forward passes and a gain cap's spectral norms are
+outside the count too, benchmarks/robust.py measures them). The corpus's training tokens are a prepared
+corpus's manifest's, or the embedded corpus's (`epoch_lines`, `check_study_epochs`).
 """
 
 from __future__ import annotations

@@ -2,19 +2,16 @@
 
 Counting jobs makes a poor clock: a study's jobs differ a thousandfold in cost (a PTQ job takes a second, a
 QAT run at the largest size minutes), and the slow QAT stage comes after the fast PTQ jobs. So the plan is
-priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start: its expected job count
-(the table of stages, study/plan.py `STEPS`, each row at its `expected` share: one LR extension round per
-search, half of any other upper bound) and a prior cost per job (`PRIOR`: a fixed part per training step, or
-per PTQ job, plus its FLOPs at an effective rate; half the CL upper bound), scaled to this machine by the
-study's probe (study/probe.py, in study.json) when it has one. Each costs.jsonl record (study/executor.py)
-then replaces a prior by measurement, in this order: the mean of the cell's last three jobs (the best LR's
-runs, under the machine's current load); for CL and QAT, its FP twin's mean times the CL/FP or QAT/FP ratio
-measured in other cells; the prior scaled by the measured/prior ratio of the same class and size (with the
-same optimizer, then any); with a probe, the probed prior itself (a size's ratio does not carry to another
-size, whose fixed costs differ: the smallest size's first jobs ran 1.5× their prior where the others ran
-0.9–1.0×); without one, the ratio of the same class and optimizer, then class, then all jobs. A job of a
-later step of the table ends the earlier ones (their counts become what ran: extensions that never came are
-dropped), and the PTQ counts are recomputed from the FP runs that actually finished.
+priced per cell (stage class fp/cl/ptq/outliers/qat × optimizer × size) from the start (`plan_cells`: its
+expected job count and a prior cost per job, `PRIOR`, scaled by the study's probe). Each costs.jsonl record
+(study/executor.py) then replaces a prior by measurement, in this order: the mean of the cell's last three
+jobs (the best LR's runs, under the machine's current load); for CL and QAT, its FP twin's mean times the
+CL/FP or QAT/FP ratio measured in other cells; the prior scaled by the measured/prior ratio of the same class
+and size (with the same optimizer, then any); with a probe, the probed prior itself (a size's ratio does not
+carry to another size, whose fixed costs differ: the smallest size's first jobs ran 1.5× their prior where the
+others ran 0.9–1.0×); without one, the ratio of the same class and optimizer, then class, then all jobs. A job
+of a later step of the table ends the earlier ones (their counts become what ran: extensions that never came
+are dropped), and the PTQ counts are recomputed from the FP runs that actually finished.
 
 remaining wall time = remaining worker-seconds / measured parallelism (worker-seconds done per second of
 wall time, between 1 and `workers`) − the time since the last completion; the display counts down
@@ -72,9 +69,9 @@ def probe_scale(budgets: dict, probe: dict | None) -> float:
 
 
 def plan_cells(spec: StudySpec, probe: dict | None = None) -> dict[tuple[str, str, str], Cell]:
-    """(class, optimizer, size) → its expected jobs and prior seconds per job, from the StudySpec and the probe:
-    the table of stages (study/plan.py `planned`, each row at the share it is expected to run), its FLOPs and
-    steps at `PRIOR`, scaled by `probe_scale`."""
+    """(class, optimizer, size) → its expected jobs and prior seconds per job: the table of stages (study/plan.py
+    `planned`, each row at its `expected` share: one LR extension round per search, half of any other upper
+    bound), its FLOPs and steps at `PRIOR`, scaled by the probe (study/probe.py, in study.json; `probe_scale`)."""
     from optquant.cost import DEFAULT_GPU, EVAL_FORWARDS, eval_flops
     from optquant.study.dryrun import cl_fraction, run_costs
 

@@ -1,9 +1,7 @@
 """Executors: run a batch of independent jobs locally (worker processes) or on Slurm (submitit).
 
-A job is any picklable object with `key`, `done`, `cost`, `run` and `describe` (the `Job` protocol of
-study/jobs.py); the executor knows no kinds of job. Every job is idempotent (its outputs are files
-written atomically, found and reused on a rerun), so a killed study is resumed by running the same
-batch again.
+A job is any picklable object with `key`, `done`, `cost`, `run` and `describe` (the idempotent `Job` of
+study/jobs.py); the executor knows no kinds of job.
 
 - `local`: a pool of `workers` spawned processes; the machine's cores are split evenly between them
   (torch threads per worker = cores // workers). workers=1 runs jobs in this process. The workers die
@@ -83,9 +81,8 @@ def estimate_cost(job: Job) -> float:
 
 
 def longest_first(jobs: list[Job]) -> list[Job]:
-    """Jobs by decreasing estimated cost (stable: equal costs keep their order)."""
-    costs = {job.key: estimate_cost(job) for job in jobs}
-    return sorted(jobs, key=lambda j: -costs[j.key])
+    """Jobs by decreasing estimated cost (stable: equal costs keep their order; each job costed once)."""
+    return sorted(jobs, key=lambda j: -estimate_cost(j))
 
 
 def timing_record(job: Job, timing: dict[str, Any], workers: int) -> dict[str, Any]:
@@ -108,11 +105,10 @@ def append_timing(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def _init_worker(threads: int, parent: int | None = None) -> None:
+def _init_worker(threads: int, parent: int) -> None:
     import warnings
 
-    if parent is not None:
-        die_with_parent(parent)
+    die_with_parent(parent)
     import torch
 
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
@@ -191,14 +187,15 @@ def run_submitit(jobs: list[Job], folder: Path, cluster: str | None) -> Iterator
         yield job, future.result()
 
 
-def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
+def execute(jobs: list[Job], executor: str, workers: int, folder: Path,
             on_done: Callable[[Job, Result, dict | None], None] | None = None,
             pool: WorkerPool | None = None) -> dict[str, Result]:
     """Run `jobs` with the chosen executor; returns key → result. Jobs already done are read, not
-    run; each job that runs is logged to costs.jsonl beside `folder`, i.e. in the study directory (no log
-    without a folder). `on_done(job, result, record)`: record is the job's costs.jsonl line (None: answered
-    from its files). `pool`: local workers to reuse (a study's)."""
-    costs = None if folder is None else StudyDir(Path(folder).parent).costs
+    run; each job that runs is logged to costs.jsonl beside `folder`, i.e. in the study directory.
+    `on_done(job, result, record)`: record is the job's costs.jsonl line (None: answered from its files).
+    `pool`: local workers to reuse (a study's)."""
+    costs = StudyDir(Path(folder).parent).costs
+    on_done = on_done or (lambda *_: None)
     results, todo = {}, []
     for job in jobs:
         done = job.done()
@@ -206,8 +203,7 @@ def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
             todo.append(job)
             continue
         results[job.key] = done
-        if on_done is not None:
-            on_done(job, done, None)
+        on_done(job, done, None)
     todo = longest_first(todo)
     stream = (run_local(todo, workers, pool) if executor == "local"
               else run_submitit(todo, folder, "local" if executor == "submitit-local" else None))
@@ -215,8 +211,6 @@ def execute(jobs: list[Job], executor: str, workers: int, folder: Path | None,
     for job, (result, timing) in stream:
         results[job.key] = result
         record = timing_record(job, timing, max(1, min(n_workers, len(todo))))
-        if costs is not None:
-            append_timing(costs, record)
-        if on_done is not None:
-            on_done(job, result, record)
+        append_timing(costs, record)
+        on_done(job, result, record)
     return results

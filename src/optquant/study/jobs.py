@@ -2,15 +2,7 @@
 
 A job is idempotent: its outputs are files written atomically, so `done()` answers from them and a killed
 study is resumed by submitting the same jobs again. The executor (study/executor.py) only calls the four
-methods every job has:
-
-    done()      the result, read from the job's files, if they exist and cover what it asks; else None
-    cost()      a FLOPs-like estimate, for scheduling the longest first (0 = unknown: last)
-    run()       (result, seconds by part) after doing the work in this process ({} = the job is one part)
-    describe()  what costs.jsonl records: kind, stage, optimizer, size, part
-
-and two attributes: `key` (unique within a study) and `stage` (fp, cl, qat, robust, ptq or outliers: the class of
-job the ETA prices, study/eta.py).
+methods of `Job` and reads its two attributes; `stage` is the class of job the ETA prices (study/eta.py).
 
 A run directory is locked (runs.locked: fcntl, released when the process dies) while a job works in it,
 as `optquant train/ptq/analyze` lock it, so no two processes ever write the same run at once.
@@ -50,26 +42,13 @@ class Job(Protocol):
     @property
     def stage(self) -> str: ...  # fp, cl, qat, robust, ptq or outliers
 
-    def done(self) -> Result | None: ...
+    def done(self) -> Result | None: ...  # the result, from the job's files if they cover what it asks; else None
 
-    def cost(self) -> float: ...
+    def cost(self) -> float: ...  # a FLOPs-like estimate, for scheduling the longest first (0 = unknown: last)
 
-    def run(self) -> tuple[Result, dict[str, float]]: ...
+    def run(self) -> tuple[Result, dict[str, float]]: ...  # (result, seconds by part; {} = one part) in this process
 
-    def describe(self) -> dict[str, Any]: ...
-
-
-def forward_cost(path: Path, key: str, stage: str) -> float:
-    """A PTQ or outlier job's FLOPs (cost.eval_flops); 0 while its run's config cannot be read."""
-    from optquant.cost import EVAL_FORWARDS, at_depth, eval_flops, meta_models
-    from optquant.model import count_params
-
-    cfg = _config_of(path, key)
-    return 0.0 if cfg is None else eval_flops(cfg, at_depth(cfg, meta_models(cfg), count_params), EVAL_FORWARDS[stage])
-
-
-def _run_facts(cfg: RunConfig | None) -> dict[str, Any]:
-    return {"optimizer": cfg.optim.name if cfg else None, "size": (cfg.preset or None) if cfg else None}
+    def describe(self) -> dict[str, Any]: ...  # what costs.jsonl records: kind, stage, optimizer, size, part
 
 
 def _config_of(path: Path, key: str) -> RunConfig | None:
@@ -106,49 +85,63 @@ class TrainJob:
         return summary
 
     def cost(self) -> float:
-        """Training FLOPs: 6·N·D + attention (cost.training_flops)."""
-        from optquant.cost import at_depth, meta_models, training_flops
-        from optquant.model import count_params
-        from optquant.train import steps_for
+        """Training FLOPs: 6·N·D + attention (cost.training_flops), N every parameter, D the tokens of the run's
+        budget as the dry run counts them (cost.run_cost)."""
+        from optquant.cost import run_cost, training_flops
 
-        cfg, models = self.cfg, meta_models(self.cfg)
-        n = at_depth(cfg, models, count_params)
-        budget = n if cfg.train.budget_params == "total" else at_depth(cfg, models, lambda m: count_params(m, False))
-        tokens = steps_for(cfg, budget) * cfg.train.batch_size * cfg.model.seq_len
-        return training_flops(cfg, n, tokens)
+        b = run_cost(self.cfg)
+        return training_flops(self.cfg, b.n_params, b.tokens)
 
     def run(self) -> tuple[Result, dict[str, float]]:
         with locked(Path(self.dir)):
             return train(self.cfg, Path(self.dir)), {}
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "train", "stage": self.stage, **_run_facts(self.cfg),
+        return {"kind": "train", "stage": self.stage, "optimizer": self.cfg.optim.name, "size": self.cfg.preset or None,
                 "part": "qat" if self.stage == "qat" else "training"}
 
 
 @dataclass(frozen=True)
-class PTQJob:
+class _ForwardJob:
+    """What a PTQ and an outliers job share: a trained run's `dir`, costed in forward passes and described by
+    its run's config. `stage` is also the kind; `part` is what costs.jsonl names its time."""
+
+    dir: Path
+    stage = part = ""
+
+    def cost(self) -> float:
+        """Forward passes over the eval batches (cost.eval_flops); 0 while the run's config cannot be read."""
+        from optquant.cost import EVAL_FORWARDS, at_depth, eval_flops, meta_models
+        from optquant.model import count_params
+
+        cfg = _config_of(self.dir, self.key)
+        return 0.0 if cfg is None else eval_flops(cfg, at_depth(cfg, meta_models(cfg), count_params),
+                                                   EVAL_FORWARDS[self.stage])
+
+    def describe(self) -> dict[str, Any]:
+        cfg = _config_of(Path(self.dir), self.key)
+        return {"kind": self.stage, "stage": self.stage, "optimizer": cfg.optim.name if cfg else None,
+                "size": (cfg.preset or None) if cfg else None, "part": self.part}
+
+
+@dataclass(frozen=True)
+class PTQJob(_ForwardJob):
     """PTQ damage + outliers + ABC of one (model, scheme). The model, its tokens and the quantized copy
     are loaded and built once for both parts; what an earlier attempt wrote is reused if it covers the
     evaluations asked for (`analysis.mc_items`, the lm-eval tasks of `analysis.harness`)."""
 
-    dir: Path
     ptq: PTQConfig
     analysis: AnalysisConfig
+    stage = part = "ptq"
 
     @property
     def key(self) -> str:
         return f"{Path(self.dir).name}/{self.analysis.weights}/{self.ptq.name}"
 
-    stage = "ptq"
-
     def done(self) -> Result | None:
         a, name = self.analysis, self.ptq.name
         damage, metrics = read_result(self.dir, a, name, "damage"), read_result(self.dir, a, name, "analysis")
         return {**damage, **metrics} if covers(damage, self.analysis) and metrics is not None else None  # else redo
-
-    def cost(self) -> float:
-        return forward_cost(self.dir, self.key, self.stage)
 
     def run(self) -> tuple[Result, dict[str, float]]:
         path, qcfg, acfg = Path(self.dir), self.ptq, self.analysis
@@ -168,21 +161,16 @@ class PTQJob:
             parts["analysis"] = time.perf_counter() - t
         return {**damage, **metrics}, parts
 
-    def describe(self) -> dict[str, Any]:
-        return {"kind": "ptq", "stage": self.stage, **_run_facts(_config_of(Path(self.dir), self.key)), "part": "ptq"}
-
 
 @dataclass(frozen=True)
-class OutliersJob:
+class OutliersJob(_ForwardJob):
     """The FP model's outlier metrics alone (MMR vs learning rate), for a study without sweep schemes."""
 
-    dir: Path
+    stage, part = "outliers", "analysis"
 
     @property
     def key(self) -> str:
         return f"{Path(self.dir).name}/outliers"
-
-    stage = "outliers"
 
     def done(self) -> Result | None:
         from optquant.files import read_json
@@ -190,13 +178,6 @@ class OutliersJob:
         path = RunDir(self.dir).outliers("final")
         return read_json(path) if path.exists() else None
 
-    def cost(self) -> float:
-        return forward_cost(self.dir, self.key, self.stage)
-
     def run(self) -> tuple[Result, dict[str, float]]:
         with locked(RunDir(self.dir).ptq()):
             return fp_outliers(Path(self.dir)), {}
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": "outliers", "stage": self.stage, **_run_facts(_config_of(Path(self.dir), self.key)),
-                "part": "analysis"}

@@ -57,7 +57,6 @@ def metric_rows(base: dict[str, Any], scheme: str, values: dict[str, Any], names
 
 def gather(study, found: dict[tuple[str, str], LRSearch], thresholds: dict, cl_paths: dict, qat: dict) -> pd.DataFrame:
     rows: list[dict[str, Any]] = []
-    sweep = AnalysisConfig(weights="final")
 
     def base(run: Path, summary: dict, kind: str, key: tuple[str, str], lr: float, seed: int, best: bool) -> dict:
         """A run's identifying columns, carried from the search (its LR and seed) and the spec."""
@@ -73,16 +72,15 @@ def gather(study, found: dict[tuple[str, str], LRSearch], thresholds: dict, cl_p
             flags = {"diverged": float(s["status"] == "diverged"), "best_lr_at_edge": float(search.status == "cap"),
                      "lr_bracketed": float(search.status == "bracketed")}
             rows += metric_rows(row, "none", {**s, **flags}, (*FP_METRICS, *flags))
-            rows += _ptq_rows(run, row, sweep, study.spec.sweep_ptq_schemes, OUTLIER_METRICS)
+            rows += _ptq_rows(run, row, "final", study.spec.sweep_ptq_schemes, OUTLIER_METRICS)
             if not study.spec.sweep_ptq_schemes and (outliers := RunDir(run).outliers("final")).exists():
                 rows += metric_rows(row, "none", read_json(outliers), OUTLIER_METRICS)
-    acfg = AnalysisConfig(weights="cl")
     for (opt, size, seed), run in cl_paths.items():
         s = read_summary(run)
         row = base(run, s, "cl", (opt, size), found[(opt, size)].best, seed, True)
         rows += metric_rows(row, "none", {"cl_threshold": thresholds[size], "cl_step": s["cl_step"]},
                             ("cl_threshold", "cl_step"))
-        rows += _ptq_rows(run, row, acfg, study.spec.ptq_schemes, ("val_loss", "mc_acc", "mc_acc_norm",
+        rows += _ptq_rows(run, row, "cl", study.spec.ptq_schemes, ("val_loss", "mc_acc", "mc_acc_norm",
                                                                    *OUTLIER_METRICS))
     for run_id, (key, lr, seed, bits, s) in qat.items():
         row = {**base(study.runs / run_id, s, "qat", key, lr, seed, True), "bits": bits}
@@ -121,10 +119,10 @@ def _side(damage: dict, metrics: dict, tag: str) -> dict:
     return plain | (damage if tag == "q" else {}) | metrics
 
 
-def _ptq_rows(run: Path, base: dict, acfg: AnalysisConfig, schemes, fp: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Each scheme's damage, ABC terms and lm-eval scores on a run's weights (the CL model's, or an FP run's final
+def _ptq_rows(run: Path, base: dict, weights: str, schemes, fp: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each scheme's damage, ABC terms and lm-eval scores on a run's `weights` (the CL model's, or an FP run's final
     model's), and once, from the first scheme's files, the FP model's `fp` metrics and scores."""
-    rows = []
+    rows, acfg = [], AnalysisConfig(weights=weights)
     for i, scheme in enumerate(schemes):
         damage = read_result(run, acfg, scheme, "damage") or {}
         metrics = read_result(run, acfg, scheme, "analysis") or {}
@@ -179,12 +177,9 @@ def correlations(df: pd.DataFrame, n_boot: int = 500) -> pd.DataFrame:
     n = tidy.groupby(index, sort=False)[["n", "n_cl"]].max()
     # unstack (not pivot_table): only the (size, scheme, metric, target) combinations that exist
     wide = tidy.set_index([*index, "method"])[["r", "ci_low", "ci_high", "p"]].unstack("method")
-    wide.columns = [_col(a, b) for a, b in wide.columns]
+    suffix = {"r": "", "ci_low": "_lo", "ci_high": "_hi", "p": "_p"}
+    wide.columns = [method + suffix[value] for value, method in wide.columns]
     return n.join(wide).reset_index()
-
-
-def _col(value: str, method: str) -> str:
-    return {"r": method, "ci_low": f"{method}_lo", "ci_high": f"{method}_hi", "p": f"{method}_p"}[value]
 
 
 def fits(df: pd.DataFrame, interval: str = "bootstrap", map_fn: Callable = map) -> dict[str, Any]:
@@ -237,8 +232,8 @@ def write_results(study, found: dict[tuple[str, str], LRSearch], thresholds: dic
     corr = correlations(df)
     write_parquet(study.dir.correlations, corr)
     local = study.pool is not None and study.spec.executor == "local" and study.spec.workers > 1
-    pool = study.pool.get() if local else None  # the fits on the study's workers, in parallel
-    atomic_write_json(study.dir.fits, fits(df, study.spec.fit_interval, pool.map if pool else map))
+    map_fn = study.pool.get().map if local else map  # the fits on the study's workers, in parallel
+    atomic_write_json(study.dir.fits, fits(df, study.spec.fit_interval, map_fn))
     atomic_write_json(study.dir.best,  # a list: an optimizer's name may be a path (a "/" in a key)
                       [{"optimizer": o, "size": s, **best_record(r)} for (o, s), r in found.items()])
     log.info("results: %d rows, %d correlations", len(df), len(corr))

@@ -72,8 +72,7 @@ class LRSearch:
 
 @dataclass
 class Tuning:
-    """One (optimizer, size)'s search: its LR runs at the final ratios and where they ended (the best LR), the
-    ratios, their searches and where each ended."""
+    """One (optimizer, size)'s search: the LR's and each tied group ratio's runs, and where each ended."""
 
     lr_runs: dict[float, dict[str, Any]]  # lr -> first-seed summary, at the final ratios
     lr: Bracket  # the LR search's end over lr_runs
@@ -142,16 +141,15 @@ def search(run: Runner, stage: str, grids: dict[Hashable, list[float]], config: 
 
 
 def coordinate(run: Runner, spec: StudySpec, config: Callable[[Key, float, dict], RunConfig],
-               grids: dict[Key, list[float]], ratios: dict[Key, dict[str, float]]) -> dict[Key, Tuning]:
-    """One pass of coordinate search for every key at once: LR, then each tied group's ratio at the best LR,
-    then the LR again around its best where a ratio moved."""
-    lr_runs = search(run, "fp sweep", grids, lambda k, lr: config(k, lr, ratios[k]), spec)
+               grids: dict[Key, list[float]], start: dict[Key, dict[str, float]]) -> dict[Key, Tuning]:
+    """One pass of coordinate search for every key at once: LR (at the `start` ratios), then each tied group's
+    ratio at the best LR, then the LR again around its best where a ratio moved."""
+    lr_runs = search(run, "fp sweep", grids, lambda k, lr: config(k, lr, start[k]), spec)
     ends = {k: bracket(losses(lr_runs[k])) for k in grids}
     best = {k: e.best for k, e in ends.items()}
-    ratios = {k: dict(v) for k, v in ratios.items()}
+    ratios = {k: dict(v) for k, v in start.items()}  # a copy: `start` is compared with at the end
     ratio_runs: dict[Key, dict[str, dict]] = {k: {} for k in grids}
     ratio_ends: dict[Key, dict[str, Bracket]] = {k: {} for k in grids}
-    start = {k: dict(v) for k, v in ratios.items()}
     fields = {k: [r for _, _, r in group_fields(spec, k[0])] for k in grids}
     for i in range(max((len(v) for v in fields.values()), default=0)):
         keys = {k: fields[k][i] for k in grids if i < len(fields[k]) and best[k] is not None}
