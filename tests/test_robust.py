@@ -280,6 +280,23 @@ def test_robustness_table_pairs_units_and_states_the_verdict(tmp_path):
     assert fig_pareto(_robust_frame(0.6, 0.0), "w4a4-rtn", tmp_path).src == "figures/robust_pareto.png"
 
 
+def test_the_cost_ratio_is_cpu_time_where_both_runs_recorded_it():
+    """Wall-clock step times on a loaded machine measure the load; the workers' CPU seconds per step do not."""
+    from optquant.report.robust import robustness_table
+
+    df = _robust_frame(cut=0.6, fp_cost=0.0)  # wall clock 1.2× in every unit
+    cpu = df[df["metric"] == "mean_step_seconds"].assign(metric="mean_step_cpu_seconds", value=0.5)
+    _, (c,) = robustness_table(pd.concat([df, cpu]), "w4a4-rtn")
+    assert c["cost"] == pytest.approx(1.0)
+    _, (c,) = robustness_table(pd.concat([df, cpu[cpu["seed"] < 2]]), "w4a4-rtn")  # 4 of the 10 units have it
+    assert c["cost"] == pytest.approx((4 * 1.0 + 6 * 1.2) / 10)
+
+
+def test_a_run_records_its_cpu_seconds_per_step(nano_cfg, tmp_path):
+    summary = train(apply_overrides(nano_cfg, ["train.steps=4"]), tmp_path / "run")
+    assert 0 < summary["mean_step_cpu_seconds"] < 60
+
+
 @pytest.mark.parametrize("cut_by", [4, 3])
 def test_goal_is_met_when_four_optimizers_get_a_significant_30_percent_cut(cut_by):
     """Issue 32's goal: ≥ 30 % less damage, significant after Holm, at ≤ 1.3× cost, for ≥ 4 of the 6."""

@@ -134,7 +134,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
     ended = None  # (step, reason) when the run diverges
     r.model.train()
     while state["step"] < steps:
-        step, t0 = state["step"], time.perf_counter()
+        step, t0, c0 = state["step"], time.perf_counter(), time.process_time()
         mult = lr_multiplier(step, steps, tc)
         if r.robust is not None:
             r.robust.begin(step)
@@ -149,6 +149,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         for opt in r.optimizers:
             opt.zero_grad(set_to_none=True)
         state["train_time"] += time.perf_counter() - t0
+        state["cpu_time"] = state.get("cpu_time", 0.0) + time.process_time() - c0  # not in older checkpoints
         state["timed_steps"] += 1
         state["step"] = step + 1
         _log_step(r, state, on_step, {"loss": loss, "lr_mult": mult}, t0)
@@ -206,7 +207,8 @@ def _resume(r: _Loop) -> dict[str, Any]:
     """The loop state: fresh, or restored with the model, optimizers and every RNG from the checkpoint."""
     ckpt = r.run.checkpoint
     if not ckpt.exists():
-        return {"step": 0, "best_val": math.inf, "cl_step": None, "train_time": 0.0, "timed_steps": 0}
+        return {"step": 0, "best_val": math.inf, "cl_step": None, "train_time": 0.0, "cpu_time": 0.0,
+                "timed_steps": 0}
     saved = load_checkpoint(ckpt, r.model)
     step = saved.get("loop", {}).get("step") if isinstance(saved, dict) and isinstance(saved.get("loop"), dict) \
         else None
@@ -331,6 +333,8 @@ def _summarise(r: _Loop, state: dict, ended: tuple[int, str] | None) -> dict[str
         "ns_dtype": ns_dtype(optimizers),  # Muon's/Scion's Newton–Schulz: "bf16", "fp32", or None
         "eigh_retries": sum(getattr(o, "eigh_retries", 0) for o in optimizers),  # Shampoo's fp64 retries
         "mean_step_seconds": state["train_time"] / max(1, state["timed_steps"]),
+        # the process's CPU seconds (every thread): what a step costs, whatever else loads the machine
+        "mean_step_cpu_seconds": state.get("cpu_time", 0.0) / max(1, state["timed_steps"]),
         "n_params": count_params(model), "n_params_non_embedding": count_params(model, False),
         "total_steps": r.steps, "bf16": r.bf16, "tokens_per_step": cfg.train.batch_size * cfg.model.seq_len,
     }

@@ -9,7 +9,7 @@ run again to its crossing with fine evaluations from its own last evaluation abo
 and `cl_step` are that run's, the rest its full run's). Measured, as for the plain runs: at the Common Loss
 every PTQ scheme's damage with R_L, the ABC sums and the gains; on the final model the first scheme's damage
 and the FP validation loss (the evaluator in fp32, so a late-QAT model's FP loss too, not its quantized one);
-the mean step time.
+the mean step time, wall clock and CPU.
 
 Everything goes to robust.parquet, long: optimizer, size, seed, arm ("none" = the plain run), weights
 ("cl" | "final" | "train"), scheme, metric, value. The report's Robustness table pairs each arm with the
@@ -27,7 +27,7 @@ from optquant.study.results import metric_rows
 
 CL_METRICS = ("delta_val_loss", "val_loss_fp", "R_L", "sum_A", "sum_B", "mean_gain", "mean_gain_linear",
               "mean_G1", "mean_G2")
-TRAIN_METRICS = ("mean_step_seconds", "cl_step", "best_val_loss")
+TRAIN_METRICS = ("mean_step_seconds", "mean_step_cpu_seconds", "cl_step", "best_val_loss")
 COLUMNS = ("optimizer", "size", "seed", "arm", "weights", "scheme", "metric", "value")
 
 
