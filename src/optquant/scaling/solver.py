@@ -10,7 +10,6 @@ parameter in `at_bound`. A design maps the points to the columns of ρ each poin
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,12 +150,3 @@ def fit_design(d: Design, cfg: FitConfig, starts: list[np.ndarray]) -> Fit:
     params.update({n: math.exp(v) for n, v in zip(d.names, theta[3:], strict=True)})
     return Fit(theta, params, float(best.fun * min(cfg.delta, 1e-3)), at_bound)
 
-
-def one_blas_thread() -> contextlib.AbstractContextManager[Any]:
-    """L-BFGS-B calls BLAS on tiny matrices; threaded OpenBLAS makes that far slower on a busy machine
-    (docs/benchmarks.md). threadpoolctl pins it to one thread when installed."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return contextlib.nullcontext()
-    return threadpool_limits(1, user_api="blas")
