@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 from optquant.files import read_json
 from optquant.report.figures import Plot, save
@@ -54,9 +56,6 @@ def plan_grid(records: list[dict]) -> tuple[list[str], list[int], np.ndarray, np
 
 
 def fig_plan(key: str, records: list[dict], out: Path, title: str) -> Plot:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     kinds, layers, share, high = plan_grid(records)
     top = max(records[0]["choices"])
     fig = Figure(figsize=(2.6 + 0.45 * len(layers), 0.9 + 0.35 * len(kinds)), layout="constrained")

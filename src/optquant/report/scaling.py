@@ -15,6 +15,7 @@ import numpy as np
 from optquant.report.load import StudyData, fit_interval, fit_rho4, fmt, fmt_ci
 from optquant.report.paper import by_label
 from optquant.report.tables import Table, not_run
+from optquant.scaling import FitConfig
 
 
 def _not_identified(fit: dict, name: str, whole: str = "") -> str:
@@ -97,9 +98,7 @@ def table10_joint(d: StudyData) -> Table:
 
 def fit_diagnostics_table(d: StudyData) -> Table:
     """Table 10c, one row per fit in fits.json: how well its numbers are identified (scaling.FitDiagnostics)."""
-    from optquant.scaling import FitConfig  # the thresholds optquant.study.results judges with
-
-    cfg = FitConfig()
+    cfg = FitConfig()  # the thresholds optquant.study.results judges with
     title = "Table 10c — scaling-fit diagnostics"
     fits = d.fits or {}
     per = fits.get("per_optimizer") or {}

@@ -106,13 +106,6 @@ def objective(theta: np.ndarray, d: Design, x0: float, delta: float) -> tuple[fl
     return float(huber.sum() * c), grad * c
 
 
-def _bounds(d: Design, cfg: FitConfig) -> tuple[np.ndarray, np.ndarray]:
-    hi_q = math.log(cfg.rho_max) if cfg.rho_max is not None else _LOG_RHO_MAX
-    lo = [-np.inf, _ALPHA_BOUNDS[0], math.log(1e-6)] + [_LOG_RHO_MIN] * len(d.names)
-    hi = [np.inf, _ALPHA_BOUNDS[1], float(d.y.max())] + [hi_q if c else _LOG_RHO_MAX for c in d.capped]
-    return np.array(lo), np.array(hi)
-
-
 def starts(d: Design) -> list[np.ndarray]:
     """Grid over α and E (a fraction of the smallest loss), with A putting L̂ at the median loss at the
     mean log N and ρ_4bit = 0.8; log A in raw N units, like `Fit.theta`."""
@@ -133,7 +126,9 @@ class Fit:
 def fit_design(d: Design, cfg: FitConfig, starts: list[np.ndarray]) -> Fit:
     """Best L-BFGS-B optimum over the starts (given with log A in raw N units)."""
     x0 = float(d.x.mean())  # centring N at its geometric mean decorrelates log A and α
-    lo, hi = _bounds(d, cfg)
+    hi_q = math.log(cfg.rho_max) if cfg.rho_max is not None else _LOG_RHO_MAX
+    lo = np.array([-np.inf, _ALPHA_BOUNDS[0], math.log(1e-6)] + [_LOG_RHO_MIN] * len(d.names))
+    hi = np.array([np.inf, _ALPHA_BOUNDS[1], float(d.y.max())] + [hi_q if c else _LOG_RHO_MAX for c in d.capped])
     bounds = list(zip(lo, hi, strict=True))
     best: Any = None
     for th in starts:
