@@ -79,11 +79,10 @@ def bits_section(root: Path, fig_dir: Path) -> Section | None:
     paths = sorted(StudyDir(root).bits.glob("*.json"))
     if not paths:
         return None
-    plans = [(p.stem, read_json(p)) for p in paths]
     groups: dict[str, dict[str, list[dict]]] = {}  # figure group → table row (optimizer, or the plan) → plans
-    for stem, r in plans:
-        size = r.get("size")
-        groups.setdefault(str(size) if size else stem, {}).setdefault(str(r.get("optimizer") or "–"), []).append(r)
+    for p in paths:
+        r = read_json(p)
+        groups.setdefault(str(r.get("size") or p.stem), {}).setdefault(str(r.get("optimizer") or "–"), []).append(r)
     rows, figs = [], []
     for g, by_row in groups.items():
         figs.append(fig_plan(re.sub(r"[^\w-]", "_", g), [r for rs in by_row.values() for r in rs], fig_dir,

@@ -8,8 +8,6 @@ shown as "not identified (why)" instead of a number that only looks precise.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from optquant.report.load import StudyData, fit_interval, fit_rho4, fmt, fmt_ci
@@ -117,7 +115,7 @@ def fit_diagnostics_table(d: StudyData) -> Table:
     for name, f, prefix in entries:
         g = f["diagnostics"]
         names = g["names"]
-        corr = np.array([[math.nan if c is None else c for c in row] for row in g["correlation"]], dtype=float)
+        corr = np.array(g["correlation"], dtype=float)  # null (JSON's NaN) becomes NaN
         off = np.where(np.eye(len(names), dtype=bool), np.nan, np.abs(corr))
         if np.isfinite(off).any():
             i, j = np.unravel_index(np.nanargmax(off), off.shape)

@@ -89,20 +89,25 @@ def check_points(pts: list[ScalingPoint], design: DesignFn) -> Design:
     return d
 
 
+def terms(theta: np.ndarray, d: Design, x0: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per point, with θ = (log A at N0, α, log E, log ρ_1..k): s = log(Nρ/N0), log L̂ and the share p of the
+    reducible term A/(Nρ)^α in L̂."""
+    s = d.x - x0 + d.M @ theta[3:]
+    u = theta[0] - theta[1] * s  # log of the reducible term
+    lse = np.logaddexp(u, theta[2])
+    return s, lse, np.exp(u - lse)
+
+
 def objective(theta: np.ndarray, d: Design, x0: float, delta: float) -> tuple[float, np.ndarray]:
     """c·Σ Huber_δ(log L̂ − log L) and its gradient; θ = (log A at N0, α, log E, log ρ_1..k)."""
-    a0, alpha, e, r = theta[0], theta[1], theta[2], theta[3:]
-    s = d.x - x0 + d.M @ r  # log(Nρ/N0)
-    u = a0 - alpha * s  # log of the reducible term
-    lse = np.logaddexp(u, e)
-    p = np.exp(u - lse)  # share of the reducible term in L̂
+    s, lse, p = terms(theta, d, x0)
     res = lse - d.y
     huber = np.where(np.abs(res) <= delta, 0.5 * res**2, delta * (np.abs(res) - 0.5 * delta))
     g = np.clip(res, -delta, delta)
     # Scaling keeps gradients O(1) per point for residuals ≳ 1e-3 whatever δ (least squares too), so
     # L-BFGS-B's absolute tolerances bind where they should.
     c = 1 / min(delta, 1e-3)
-    grad = np.concatenate(([g @ p, -(g * p) @ s, g @ (1 - p)], -alpha * ((g * p) @ d.M)))
+    grad = np.concatenate(([g @ p, -(g * p) @ s, g @ (1 - p)], -theta[1] * ((g * p) @ d.M)))
     return float(huber.sum() * c), grad * c
 
 
