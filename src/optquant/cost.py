@@ -129,11 +129,6 @@ class RunCost:
     def memory(self) -> int:
         return self.weights + self.grads + (self.state or 0) + self.activations
 
-    @property
-    def step_seconds(self) -> float:
-        """GPU-seconds of one optimizer step at the assumed MFU (wall seconds on one GPU)."""
-        return self.gpu_hours * 3600 / self.steps
-
 
 def meta_model(cfg) -> nn.Module:
     """The run's model (QAT layers included) on the meta device: shapes without storage."""
@@ -214,20 +209,20 @@ def _fix(cfg, plan: GPUConfig, models: tuple[nn.Module, nn.Module], b: RunCost) 
     bf16 = tc.precision != "fp32"
     fixed = 2 * b.weights + (b.state or 0)
     per_gpu = tc.batch_size // plan.gpus_per_run
-    if fixed < acc.memory:
-        for accum in range(tc.grad_accum + 1, per_gpu + 1):
-            if per_gpu % accum == 0 and fixed + activation_bytes(cfg, per_gpu // accum, bf16) <= acc.memory:
-                return f"train.grad_accum={accum} (micro-batch {per_gpu // accum})"
+
+    def accum_from(start: int, need: int) -> int | None:  # the first grad_accum whose micro-batch fits beside `need`
+        return next((a for a in range(start, per_gpu + 1) if per_gpu % a == 0
+                     and need + activation_bytes(cfg, per_gpu // a, bf16) <= acc.memory), None)
+
+    if fixed < acc.memory and (accum := accum_from(tc.grad_accum + 1, fixed)):
+        return f"train.grad_accum={accum} (micro-batch {per_gpu // accum})"
     if hasattr(cfg.optim, "max_precondition_dim"):  # an optimizer with a preconditioner size cap
-        act1 = activation_bytes(cfg, 1, bf16)
         cap = cfg.optim.max_precondition_dim
         while cap > 128:
             cap //= 2
             capped = replace(cfg.optim, max_precondition_dim=cap)
             need = 2 * b.weights + at_depth(cfg, models, lambda m, o=capped: optimizer_state_bytes(m, o))
-            if need + act1 <= acc.memory:
-                accum = next(a for a in range(tc.grad_accum, per_gpu + 1) if per_gpu % a == 0 and need
-                             + activation_bytes(cfg, per_gpu // a, bf16) <= acc.memory)
+            if accum := accum_from(tc.grad_accum, need):
                 extra = f" and train.grad_accum={accum}" if accum != tc.grad_accum else ""
                 return f"optim.max_precondition_dim={cap}{extra}"
     return f"nothing on one {acc.name}: weights, gradients and optimizer state alone need {gb(fixed)}"
@@ -252,7 +247,7 @@ def cost_lines(cfg, plan: GPUConfig = DEFAULT_GPU) -> list[str]:
         f"gradients {gb(b.grads)}, optimizer state {gb(b.state)}, activations ≈ {gb(b.activations)}",
         f"  {b.gpu_hours:.3g} GPU-hours on {plan.gpus_per_run}× {acc.name} "
         f"(peak bf16 {acc.bf16_flops / 1e12:g} TFLOP/s, assumed MFU {plan.mfu:g}), "
-        f"{b.step_seconds / plan.gpus_per_run:.3g} s per optimizer step",
+        f"{b.gpu_hours * 3600 / b.steps / plan.gpus_per_run:.3g} s per optimizer step",
     ]
     if not b.fits:
         lines.append(f"  WARNING: needs {gb(b.memory)} > {gb(acc.memory)} of the {acc.name}; fix: {b.fix}")

@@ -182,10 +182,9 @@ def report_markdown(study_dir: str | Path) -> str:
     and Bit plans tables where the study has them, as markdown."""
     d = load_study(study_dir)
     tables = headline_tables(d)
-    if d.dir.robust.is_file():  # issue 23's Robustness table, when the study ran the arm
-        tables += [b for b in robust_section(d.root, d.dir.figures).blocks if isinstance(b, Table)]
-    bits = bits_section(d.root, d.dir.figures)  # issue 31's plans, where the study wrote them
-    tables += [b for b in bits.blocks if isinstance(b, Table)] if bits else []
+    robust = robust_section(d.root, d.dir.figures) if d.dir.robust.is_file() else None  # issue 23's, if run
+    for section in (robust, bits_section(d.root, d.dir.figures)):  # and issue 31's plans, where the study wrote them
+        tables += [b for b in section.blocks if isinstance(b, Table)] if section else []
     head = (f"## optquant study {(d.spec and d.spec.name) or d.root.name}\n\n{machine_text(d)}\n\n_{CAVEAT}_\n\n"
             f"_{d.count_note()}_\n")
     return "\n".join([head, *(to_markdown(t) for t in tables)])

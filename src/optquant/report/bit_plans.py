@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 from optquant.files import read_json
 from optquant.report.figures import Plot, save
@@ -54,9 +56,6 @@ def plan_grid(records: list[dict]) -> tuple[list[str], list[int], np.ndarray, np
 
 
 def fig_plan(key: str, records: list[dict], out: Path, title: str) -> Plot:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     kinds, layers, share, high = plan_grid(records)
     top = max(records[0]["choices"])
     fig = Figure(figsize=(2.6 + 0.45 * len(layers), 0.9 + 0.35 * len(kinds)), layout="constrained")
@@ -80,11 +79,10 @@ def bits_section(root: Path, fig_dir: Path) -> Section | None:
     paths = sorted(StudyDir(root).bits.glob("*.json"))
     if not paths:
         return None
-    plans = [(p.stem, read_json(p)) for p in paths]
     groups: dict[str, dict[str, list[dict]]] = {}  # figure group → table row (optimizer, or the plan) → plans
-    for stem, r in plans:
-        size = r.get("size")
-        groups.setdefault(str(size) if size else stem, {}).setdefault(str(r.get("optimizer") or "–"), []).append(r)
+    for p in paths:
+        r = read_json(p)
+        groups.setdefault(str(r.get("size") or p.stem), {}).setdefault(str(r.get("optimizer") or "–"), []).append(r)
     rows, figs = [], []
     for g, by_row in groups.items():
         figs.append(fig_plan(re.sub(r"[^\w-]", "_", g), [r for rs in by_row.values() for r in rs], fig_dir,

@@ -19,21 +19,15 @@ from optquant.scaling import LawFit, predict
 from optquant.stats import summarize
 
 
-def scaling_points(d: StudyData) -> tuple[pd.DataFrame, str]:
-    """The scaling fits' points (best-LR FP and QAT final val loss) with `n_fit`, the N each fit used
-    (study/results.py `fit_n`: non-embedding where the token budget counts it), and that count's name."""
-    r = d.results
-    rows = r[(r["metric"] == "final_val_loss") & (((r["kind"] == "fp") & r["best_lr"]) | (r["kind"] == "qat"))]
-    if rows.empty:
-        return rows.assign(n_fit=pd.Series(dtype=float)), "total"
-    n, count = fit_n(rows)
-    return rows.assign(n_fit=pd.to_numeric(n, errors="coerce").astype(float)), count
-
-
 def scaling_figure(d: StudyData) -> tuple[Figure | None, str, str]:
-    """(figure, count name, why not) of the scaling curves: points and fits in the N the fits used."""
-    pts, count = scaling_points(d)
-    pts = pts[np.isfinite(pts["value"].astype(float)) & (pts["n_fit"] > 0)] if len(pts) else pts
+    """(figure, count name, why not) of the scaling curves: the fits' points (best-LR FP and QAT final val
+    loss) and the fits, in the N the fits used (study/results.py `fit_n`: non-embedding where the token
+    budget counts it)."""
+    r = d.results
+    pts = r[(r["metric"] == "final_val_loss") & (((r["kind"] == "fp") & r["best_lr"]) | (r["kind"] == "qat"))]
+    n, count = fit_n(pts) if len(pts) else (pts["n_params"], "total")
+    pts = pts.assign(n_fit=pd.to_numeric(n, errors="coerce").astype(float))
+    pts = pts[np.isfinite(pts["value"].astype(float)) & (pts["n_fit"] > 0)]
     if pts.empty:
         return None, count, "no best-LR FP runs or QAT runs"
     per = (d.fits or {}).get("per_optimizer") or {}

@@ -190,10 +190,9 @@ def fig1_damage_vs_metrics(d: StudyData, out: Path) -> Plot:
     big = dominant(df["damage"])
     r = None if big is None else df.loc[big[0]]  # the model that dominates the damage
     for ax, m in zip(axes, present, strict=True):
-        for o, g in df.groupby("optimizer"):
-            for s, gs in g.groupby("size"):
-                mk = MARKERS[sizes.index(s) % len(MARKERS)]
-                ax.scatter(gs[m], gs["damage"], color=d.color(o), marker=mk, s=28, alpha=0.85)
+        for (o, s), gs in df.groupby(["optimizer", "size"]):
+            mk = MARKERS[sizes.index(s) % len(MARKERS)]
+            ax.scatter(gs[m], gs["damage"], color=d.color(o), marker=mk, s=28, alpha=0.85)
         ax.set_xlabel(m)
         auto_scale(ax, "x", df[m])
         if big is not None:

@@ -52,9 +52,6 @@ class PaperGrid:
     footnote: str = ""
     digits: dict[str, int] = field(default_factory=dict)  # decimals per row as printed (default 2)
 
-    def get(self, size: str, opt: str) -> float | None:
-        return self.values[size][self.optimizers.index(opt)]
-
 
 TABLE2_ACC = PaperGrid(
     title="Table 2: FP accuracy at the best LR (20 TPP)",

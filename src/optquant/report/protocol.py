@@ -147,10 +147,9 @@ def _r(x, m: str) -> str:
     return f"{r:+.2f} [{fmt(lo, 2)}, {fmt(hi, 2)}] p={p:.2g}"
 
 
-def correlation_table(d: StudyData, scheme: str | None = None, target: str = "delta_val_loss") -> Table:
+def correlation_table(d: StudyData, scheme: str, target: str = "delta_val_loss") -> Table:
     """Within-size correlations of each predictor with PTQ damage, largest size first (the headline, the
     paper's setting), then the other sizes, then the pooled one, labelled as such."""
-    scheme = scheme or d.paper_scheme() or "w4a4-rtn"
     title = f"Correlation with PTQ damage ({target}, {scheme}) within each size"
     c = d.correlations
     if c is None or c.empty or "pearson_partial" not in c:

@@ -8,13 +8,12 @@ shown as "not identified (why)" instead of a number that only looks precise.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from optquant.report.load import StudyData, fit_interval, fit_rho4, fmt, fmt_ci
 from optquant.report.paper import by_label
 from optquant.report.tables import Table, not_run
+from optquant.scaling import FitConfig
 
 
 def _not_identified(fit: dict, name: str, whole: str = "") -> str:
@@ -97,9 +96,7 @@ def table10_joint(d: StudyData) -> Table:
 
 def fit_diagnostics_table(d: StudyData) -> Table:
     """Table 10c, one row per fit in fits.json: how well its numbers are identified (scaling.FitDiagnostics)."""
-    from optquant.scaling import FitConfig  # the thresholds optquant.study.results judges with
-
-    cfg = FitConfig()
+    cfg = FitConfig()  # the thresholds optquant.study.results judges with
     title = "Table 10c — scaling-fit diagnostics"
     fits = d.fits or {}
     per = fits.get("per_optimizer") or {}
@@ -118,7 +115,7 @@ def fit_diagnostics_table(d: StudyData) -> Table:
     for name, f, prefix in entries:
         g = f["diagnostics"]
         names = g["names"]
-        corr = np.array([[math.nan if c is None else c for c in row] for row in g["correlation"]], dtype=float)
+        corr = np.array(g["correlation"], dtype=float)  # null (JSON's NaN) becomes NaN
         off = np.where(np.eye(len(names), dtype=bool), np.nan, np.abs(corr))
         if np.isfinite(off).any():
             i, j = np.unravel_index(np.nanargmax(off), off.shape)

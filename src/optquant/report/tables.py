@@ -248,11 +248,10 @@ def outlier_table(d: StudyData) -> Table:
 
 # ---------------------------------------------------------------- paper side tables
 def paper_table(grid: PaperGrid, key: str) -> Table:
-    def cell(s: str, o: str) -> str:
-        v = grid.get(s, o)
+    def cell(s: str, o: str, v: float | None) -> str:
         return "n/a" if v is None else f"{v:.{grid.digits.get(s, 2)}f}{grid.notes.get((s, o), '')}"
 
-    rows = [(s, *(cell(s, o) for o in grid.optimizers)) for s in grid.sizes]
+    rows = [(s, *(cell(s, o, v) for o, v in zip(grid.optimizers, grid.values[s], strict=True))) for s in grid.sizes]
     caption = f"paper, {grid.sources}. Unit: {grid.unit or 'as named'}. {grid.footnote}".strip()
     cols = ("paper" if grid.unit else "quantity", *grid.optimizers)
     return Table(key, f"paper — {grid.title}", cols, tuple(rows), caption, paper=True)

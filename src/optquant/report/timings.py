@@ -10,7 +10,7 @@ per optimizer and part, and the share of each part in the whole.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from optquant.report.html import Section
@@ -70,10 +70,9 @@ def stage_table(records: list[dict]) -> Table:
 
 
 def optimizer_table(records: list[dict]) -> Table:
-    sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    sums: dict[str, Counter] = defaultdict(Counter)
     for r in records:
-        for part, s in r.get("parts", {}).items():
-            sums[r.get("optimizer") or "?"][part] += s
+        sums[r.get("optimizer") or "?"].update(r.get("parts", {}))
     rows = [(o, *(_hms(sums[o][p]) if sums[o][p] else "–" for p in PARTS), _hms(sum(sums[o].values())))
             for o in sorted(sums)]
     return Table("cost-optimizers", "Wall time per optimizer and part", ("optimizer", *PARTS, "total"),
@@ -82,10 +81,9 @@ def optimizer_table(records: list[dict]) -> Table:
 
 
 def share_table(records: list[dict]) -> Table:
-    sums: dict[str, float] = defaultdict(float)
+    sums: Counter = Counter()
     for r in records:
-        for part, s in r.get("parts", {}).items():
-            sums[part] += s
+        sums.update(r.get("parts", {}))
     total = sum(sums.values())
     rows = tuple((p, _hms(sums[p]), _pct(sums[p], total)) for p in (*PARTS, *sorted(set(sums) - set(PARTS)))
                  if p in sums)

@@ -21,7 +21,7 @@ from typing import TypeVar
 import numpy as np
 
 from optquant.scaling.law import FitConfig, FitDiagnostics, JointFit, LawFit, ScalingPoint
-from optquant.scaling.solver import Design, Fit
+from optquant.scaling.solver import Design, Fit, terms
 
 _SHARED = ("A", "alpha", "E")  # a bound or a failed check on these affects every ρ of the fit
 
@@ -31,14 +31,10 @@ def diagnose(
 ) -> FitDiagnostics:
     """Residuals, Gauss–Newton correlations and interval widths at the optimum (no verdict yet)."""
     x0 = float(d.x.mean())
-    a0, alpha, e, r = fit.theta[0] - fit.theta[1] * x0, fit.theta[1], fit.theta[2], fit.theta[3:]
-    s = d.x - x0 + d.M @ r
-    u = a0 - alpha * s
-    lse = np.logaddexp(u, e)
-    p = np.exp(u - lse)
+    s, lse, p = terms(np.r_[fit.theta[0] - fit.theta[1] * x0, fit.theta[1:]], d, x0)  # log A at N0, as fitted
     res = lse - d.y
     # ∂(log L̂)/∂θ in the fit's coordinates, the same derivatives as `objective`'s gradient
-    J = np.column_stack([p, -p * s, 1 - p, -alpha * p[:, None] * d.M])
+    J = np.column_stack([p, -p * s, 1 - p, -fit.theta[1] * p[:, None] * d.M])
     scale = np.linalg.norm(J, axis=0)
     Js = J / np.where(scale > 0, scale, 1.0)
     sv = np.linalg.svd(Js, compute_uv=False)

@@ -6,19 +6,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from threadpoolctl import threadpool_limits
+
 from optquant.errors import OptquantError
 from optquant.scaling.checks import diagnose, judge, judged, spreads
 from optquant.scaling.intervals import bootstrap, jackknife, resampling_strata
 from optquant.scaling.law import FitConfig, JointFit, LawFit, ScalingPoint
-from optquant.scaling.solver import (
-    DesignFn,
-    check_points,
-    fit_design,
-    joint_design,
-    law_design,
-    one_blas_thread,
-    starts,
-)
+from optquant.scaling.solver import DesignFn, check_points, fit_design, joint_design, law_design, starts
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +57,7 @@ def _fit_with_intervals(
 ) -> tuple[dict[str, float], dict]:
     """Named parameters, and the fields every fit result shares."""
     d = check_points(pts, design)
-    with one_blas_thread():
+    with threadpool_limits(1, user_api="blas"):  # L-BFGS-B's tiny BLAS calls crawl threaded (docs/benchmarks.md)
         fit = fit_design(d, cfg, starts(d))
         resample = {"bootstrap": bootstrap, "loo": jackknife}.get(cfg.interval)  # "none": no intervals
         intervals = resample(pts, design, cfg, fit) if resample else {}

@@ -10,7 +10,6 @@ parameter in `at_bound`. A design maps the points to the columns of ρ each poin
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,28 +89,26 @@ def check_points(pts: list[ScalingPoint], design: DesignFn) -> Design:
     return d
 
 
+def terms(theta: np.ndarray, d: Design, x0: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per point, with θ = (log A at N0, α, log E, log ρ_1..k): s = log(Nρ/N0), log L̂ and the share p of the
+    reducible term A/(Nρ)^α in L̂."""
+    s = d.x - x0 + d.M @ theta[3:]
+    u = theta[0] - theta[1] * s  # log of the reducible term
+    lse = np.logaddexp(u, theta[2])
+    return s, lse, np.exp(u - lse)
+
+
 def objective(theta: np.ndarray, d: Design, x0: float, delta: float) -> tuple[float, np.ndarray]:
     """c·Σ Huber_δ(log L̂ − log L) and its gradient; θ = (log A at N0, α, log E, log ρ_1..k)."""
-    a0, alpha, e, r = theta[0], theta[1], theta[2], theta[3:]
-    s = d.x - x0 + d.M @ r  # log(Nρ/N0)
-    u = a0 - alpha * s  # log of the reducible term
-    lse = np.logaddexp(u, e)
-    p = np.exp(u - lse)  # share of the reducible term in L̂
+    s, lse, p = terms(theta, d, x0)
     res = lse - d.y
     huber = np.where(np.abs(res) <= delta, 0.5 * res**2, delta * (np.abs(res) - 0.5 * delta))
     g = np.clip(res, -delta, delta)
     # Scaling keeps gradients O(1) per point for residuals ≳ 1e-3 whatever δ (least squares too), so
     # L-BFGS-B's absolute tolerances bind where they should.
     c = 1 / min(delta, 1e-3)
-    grad = np.concatenate(([g @ p, -(g * p) @ s, g @ (1 - p)], -alpha * ((g * p) @ d.M)))
+    grad = np.concatenate(([g @ p, -(g * p) @ s, g @ (1 - p)], -theta[1] * ((g * p) @ d.M)))
     return float(huber.sum() * c), grad * c
-
-
-def _bounds(d: Design, cfg: FitConfig) -> tuple[np.ndarray, np.ndarray]:
-    hi_q = math.log(cfg.rho_max) if cfg.rho_max is not None else _LOG_RHO_MAX
-    lo = [-np.inf, _ALPHA_BOUNDS[0], math.log(1e-6)] + [_LOG_RHO_MIN] * len(d.names)
-    hi = [np.inf, _ALPHA_BOUNDS[1], float(d.y.max())] + [hi_q if c else _LOG_RHO_MAX for c in d.capped]
-    return np.array(lo), np.array(hi)
 
 
 def starts(d: Design) -> list[np.ndarray]:
@@ -134,7 +131,9 @@ class Fit:
 def fit_design(d: Design, cfg: FitConfig, starts: list[np.ndarray]) -> Fit:
     """Best L-BFGS-B optimum over the starts (given with log A in raw N units)."""
     x0 = float(d.x.mean())  # centring N at its geometric mean decorrelates log A and α
-    lo, hi = _bounds(d, cfg)
+    hi_q = math.log(cfg.rho_max) if cfg.rho_max is not None else _LOG_RHO_MAX
+    lo = np.array([-np.inf, _ALPHA_BOUNDS[0], math.log(1e-6)] + [_LOG_RHO_MIN] * len(d.names))
+    hi = np.array([np.inf, _ALPHA_BOUNDS[1], float(d.y.max())] + [hi_q if c else _LOG_RHO_MAX for c in d.capped])
     bounds = list(zip(lo, hi, strict=True))
     best: Any = None
     for th in starts:
@@ -151,12 +150,3 @@ def fit_design(d: Design, cfg: FitConfig, starts: list[np.ndarray]) -> Fit:
     params.update({n: math.exp(v) for n, v in zip(d.names, theta[3:], strict=True)})
     return Fit(theta, params, float(best.fun * min(cfg.delta, 1e-3)), at_bound)
 
-
-def one_blas_thread() -> contextlib.AbstractContextManager[Any]:
-    """L-BFGS-B calls BLAS on tiny matrices; threaded OpenBLAS makes that far slower on a busy machine
-    (docs/benchmarks.md). threadpoolctl pins it to one thread when installed."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return contextlib.nullcontext()
-    return threadpool_limits(1, user_api="blas")
