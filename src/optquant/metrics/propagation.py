@@ -75,7 +75,7 @@ from optquant.quant.ptq import PTQConfig, quantize_
 from optquant.quant.rotate import rotate_model_
 
 Norm = Literal["token", "tensor"]
-TERMS = ("R", "A", "B", "C", "R_in")
+TERMS = {"R": ("d", "y"), "A": ("a", "y"), "B": ("b", "y"), "C": ("ab", "y"), "R_in": ("din", "hin")}  # term: its sums
 
 
 @dataclass(frozen=True)
@@ -182,9 +182,8 @@ class _Sums:
         sq = {**out, "hin": inp[0], "din": inp[1]}
         for k, v in sq.items():
             self.ten[k] += v.sum().item()
-        for term, num, den in (("R", "d", "y"), ("A", "a", "y"), ("B", "b", "y"), ("C", "ab", "y")):
+        for term, (num, den) in TERMS.items():
             self.tok[term] += (sq[num] / sq[den]).sum().item()
-        self.tok["R_in"] += (sq["din"] / sq["hin"]).sum().item()
         self.n += sq["y"].shape[0]
 
     def add_gain(self, x: _Input) -> None:
@@ -209,9 +208,7 @@ class _Sums:
     def terms(self, norm: Norm) -> dict[str, float]:
         if norm == "token":
             return {k: v / self.n for k, v in self.tok.items()}
-        t = self.ten
-        return {"R": t["d"] / t["y"], "A": t["a"] / t["y"], "B": t["b"] / t["y"], "C": t["ab"] / t["y"],
-                "R_in": t["din"] / t["hin"]}  # fmt: skip
+        return {k: self.ten[num] / self.ten[den] for k, (num, den) in TERMS.items()}
 
 
 def abc_terms(f: Callable, fq: Callable, h: Tensor, hq: Tensor, norm: Norm = "token") -> dict[str, float]:
