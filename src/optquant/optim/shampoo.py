@@ -202,7 +202,15 @@ class Shampoo(torch.optim.Optimizer):
         grafting: Literal["adam", "none"] = "adam",
         precondition_1d: bool = True,
     ):
-        _check(lr, betas, eps, momentum, precondition_frequency, start_preconditioning_step, grafting)
+        frequency, start = precondition_frequency, start_preconditioning_step
+        if lr < 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] <= 1:
+            raise OptquantError(f"Shampoo needs lr >= 0, 0 <= beta1 < 1, 0 <= beta2 <= 1; got {lr}, {betas}")
+        if eps <= 0 or not 0 <= momentum < 1 or frequency < 1:
+            raise OptquantError("Shampoo needs eps > 0, 0 <= momentum < 1 and precondition_frequency >= 1")
+        if start != -1 and start < frequency:
+            raise OptquantError(f"Shampoo start_preconditioning_step {start} must be -1 or >= {frequency}")
+        if grafting not in ("adam", "none"):
+            raise OptquantError(f"Shampoo grafting must be 'adam' or 'none', got {grafting!r}")
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -250,17 +258,6 @@ class Shampoo(torch.optim.Optimizer):
                 state["step"] += 1
                 p.add_(shampoo_update(p, p.grad, state, group), alpha=-group["lr"])
         return loss
-
-
-def _check(lr, betas, eps, momentum, frequency, start, grafting) -> None:
-    if lr < 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] <= 1:
-        raise OptquantError(f"Shampoo needs lr >= 0, 0 <= beta1 < 1, 0 <= beta2 <= 1; got {lr}, {betas}")
-    if eps <= 0 or not 0 <= momentum < 1 or frequency < 1:
-        raise OptquantError("Shampoo needs eps > 0, 0 <= momentum < 1 and precondition_frequency >= 1")
-    if start != -1 and start < frequency:
-        raise OptquantError(f"Shampoo start_preconditioning_step {start} must be -1 or >= {frequency}")
-    if grafting not in ("adam", "none"):
-        raise OptquantError(f"Shampoo grafting must be 'adam' or 'none', got {grafting!r}")
 
 
 @dataclass(frozen=True)
