@@ -177,7 +177,6 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
         rotate_model_(model)
     layers = quantized_layers(model, cfg)
     names = [n for n, _ in layers]
-    check_plan(cfg, names)
     if cfg.method == "gptq" and any(cfg.for_module(n).w_bits < OFF for n in names):
         del layers  # each FP linear is freed once its quantized one replaces it (quantize_unit_)
         _gptq_(model, names, cfg, calib)
@@ -188,9 +187,10 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
 
 
 def quantized_layers(model: nn.Module, cfg: PTQConfig) -> list[tuple[str, nn.Linear]]:
-    """The linear layers `cfg` quantizes (the LM head only with quantize_head), their group sizes checked."""
+    """The linear layers `cfg` quantizes (the LM head only with quantize_head), group sizes and plan checked."""
     layers = linear_layers(model, skip=() if cfg.quantize_head else ("lm_head",))
     check_group_sizes(layers, cfg)
+    check_plan(cfg, [n for n, _ in layers])
     return layers
 
 
