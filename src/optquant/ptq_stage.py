@@ -124,7 +124,7 @@ class LoadedRun:
         if not self.owned:
             yield from zip(("fp", "q"), self.pair(qcfg, acfg), strict=True)
             return
-        quantized_layers(self.model, qcfg)  # a group size the model cannot take: refused before the FP pass
+        quantized_layers(self.model, qcfg)  # a group size or plan the model cannot take: refused before the FP pass
         if qcfg.rotation != "none":
             rotate_model_(self.model)
         yield "fp", self.model
