@@ -210,10 +210,7 @@ def model_analysis(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out: P
     if (qcfg, acfg.gptq_sequences) in run._pairs:  # the pair the damage built (GPTQ once per job)
         rows, summary = propagation(*run.pair(qcfg, acfg), calib, pcfg)
     else:  # the model held once, its quantized sublayers made one at a time (rotated in place if owned)
-        walk = qcfg
-        if run.owned and qcfg.rotation != "none":
-            model, walk = rotate_model_(model), dataclasses.replace(qcfg, rotation="none")
-        rows, summary = propagation_of(model, walk, calib, pcfg, run.calib(qcfg, acfg))
+        rows, summary = propagation_of(model, qcfg, calib, pcfg, run.calib(qcfg, acfg), in_place=run.owned)
     write_parquet(out / PTQ_FILES["outliers"], pd.DataFrame([dataclasses.asdict(r) for r in layers]))
     write_parquet(out / PTQ_FILES["propagation"], pd.DataFrame([dataclasses.asdict(r) for r in rows]))
     result = finite_json({"scheme": qcfg.name, "weights": acfg.weights, **aggregate(layers),
