@@ -283,9 +283,8 @@ def score_gains(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, params: d
     fp = model if qcfg.rotation == "none" else rotate_model_(copy.deepcopy(model))
     if score == "oracle":
         val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
-        walk = dataclasses.replace(qcfg, rotation="none")
-        return measured_gains(params, choices, lambda bits: val_loss(quantize_(
-            shared_copy(fp), dataclasses.replace(walk, plan=tuple(bits.items())), run.calib(walk, acfg)), val).loss)
+        return measured_gains(params, choices, lambda bits: val_loss(quantize_(shared_copy(fp), dataclasses.replace(
+            qcfg, rotation="none", plan=tuple(bits.items())), run.calib(qcfg, acfg)), val).loss)  # fp: rotated already
     lins = {model_name(n): lin for n, lin in linear_layers(fp, skip=skip)}  # a rotated o_proj is o_proj
     weights = {n: lins[model_name(n)].weight for n in params}
     was = {n: w.requires_grad for n, w in weights.items()}
