@@ -165,14 +165,8 @@ def shampoo_update(p: Tensor, grad: Tensor, state: dict, group: dict) -> Tensor:
         m_hat = state["filtered_grad"].lerp_(grad, 1 - beta1) / (1 - beta1**t)
     adam = adam_direction(m_hat, state["graft_v"], bc2, eps) if "graft_v" in state else None
     direction = torch.empty(p.shape, dtype=p.dtype, device=p.device)  # contiguous: blocks are views
-    pieces = zip(
-        block_views(direction, max_dim),
-        block_views(m_hat, max_dim),
-        block_views(adam if adam is not None else m_hat, max_dim),
-        state["roots"],
-        strict=True,
-    )
-    for out, m, a, roots in pieces:  # a is m without grafting
+    views = (block_views(x, max_dim) for x in (direction, m_hat, adam if adam is not None else m_hat))
+    for out, m, a, roots in zip(*views, state["roots"], strict=True):  # a is m without grafting
         if not roots or (adam is not None and t < start):  # unpreconditioned 1-D / Adam before the first roots
             out.copy_(a)
         else:
