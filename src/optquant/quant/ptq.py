@@ -100,11 +100,7 @@ class PTQConfig:
 
     @property
     def name(self) -> str:
-        """Stable short label used as a results key, e.g. "w4a4-rtn", "w4a16-gptq-g128-ao-had".
-
-        Parts: w/a bits, method, format or non-default grid, g<w_group_size>, ag<a_group_size>, "ao"
-        (act_order), "had" (rotation), "head" (LM head quantized). GPTQ's damp and n_calib are not in it.
-        """
+        """A stable results key, e.g. "w4a16-gptq-g128-ao-had"; GPTQ's damp and n_calib are not in it."""
         parts = [f"w{self.w_bits}a{self.a_bits}", self.method]
         if self.format != "int":
             parts.append(self.format)
