@@ -103,7 +103,12 @@ class LoadedRun:
         self._pairs: dict[tuple, tuple[nn.Module, nn.Module]] = {}
 
     def calib(self, qcfg: PTQConfig, acfg: AnalysisConfig) -> torch.Tensor | None:
-        return None if qcfg.method == "rtn" else _gptq_calib(self.cfg, self.data, acfg)
+        """GPTQ's calibration sequences, from the train split; None for RTN."""
+        if qcfg.method == "rtn":
+            return None
+        micro = self.cfg.train.batch_size // self.cfg.train.grad_accum
+        batches = _batches(self.cfg, self.data.train, 1 + acfg.gptq_sequences // micro, 777)
+        return torch.cat([x for x, _ in batches])[: acfg.gptq_sequences]
 
     def pair(self, qcfg: PTQConfig, acfg: AnalysisConfig) -> tuple[nn.Module, nn.Module]:
         key = (qcfg, acfg.gptq_sequences)
@@ -119,7 +124,7 @@ class LoadedRun:
         if not self.owned:
             yield from zip(("fp", "q"), self.pair(qcfg, acfg), strict=True)
             return
-        quantized_layers(self.model, qcfg)  # a group size the model cannot take: refused before the FP pass
+        quantized_layers(self.model, qcfg)  # a group size or plan the model cannot take: refused before the FP pass
         if qcfg.rotation != "none":
             rotate_model_(self.model)
         yield "fp", self.model
@@ -132,12 +137,6 @@ def _batches(cfg: RunConfig, tokens, n: int, seed: int) -> list:
     return fixed_batches(tokens, n, micro, cfg.model.seq_len, seed=seed)
 
 
-def mc_config(cfg: RunConfig, acfg: AnalysisConfig) -> MCConfig:
-    """The built-in MC task, its context shortened to fit the model's window if needed."""
-    base = MCConfig(n_items=acfg.mc_items, seed=cfg.seed)
-    return dataclasses.replace(base, context_len=min(base.context_len, cfg.model.seq_len + 1 - base.cont_len))
-
-
 def out_dir(run_dir: Path, acfg: AnalysisConfig, scheme: str) -> Path:
     return RunDir(run_dir).ptq(acfg.weights, scheme)
 
@@ -147,19 +146,14 @@ def ptq_damage(run_dir: Path, qcfg: PTQConfig, acfg: AnalysisConfig = AnalysisCo
     """Val loss and MC accuracy of the FP model and its quantized copy; writes summary.json.
     `run`: the run already loaded (shared with `analyze` in one job)."""
     run = run or LoadedRun(run_dir, acfg.weights)
-    result = model_damage(run, qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
-    _track(run.cfg, run_dir, f"ptq/{acfg.weights}/{qcfg.name}", result)
-    return result
-
-
-def _track(cfg: RunConfig, run_dir: Path, prefix: str, result: dict) -> None:
-    """Mirror a result into the run's experiment tracker, if `log.to` is set (optquant.tracking)."""
     from optquant.config import to_dict
     from optquant.tracking import open_tracker
 
-    tracker = open_tracker(cfg.log, run_dir, to_dict(cfg))
-    tracker.record(prefix, 0, result)
+    result = model_damage(run, qcfg, acfg, out_dir(run_dir, acfg, qcfg.name))
+    tracker = open_tracker(run.cfg.log, run_dir, to_dict(run.cfg))  # the run's tracker, if `log.to` is set
+    tracker.record(f"ptq/{acfg.weights}/{qcfg.name}", 0, result)
     tracker.close()
+    return result
 
 
 def model_damage(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out_path: Path) -> dict[str, Any]:
@@ -169,10 +163,12 @@ def model_damage(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out_path
     out = {"scheme": qcfg.name, "weights": acfg.weights, "ptq": dataclasses.asdict(qcfg)}
     tasks: dict[str, dict] = {}
     h = acfg.harness
+    mcfg = MCConfig(n_items=acfg.mc_items, seed=cfg.seed)  # the built-in task, its context within the model's window
+    mcfg = dataclasses.replace(mcfg, context_len=min(mcfg.context_len, cfg.model.seq_len + 1 - mcfg.cont_len))
     for tag, m in run.models(qcfg, acfg):
         out[f"val_loss_{tag}"] = val_loss(m, val).loss
         if acfg.mc_items:
-            mc = mc_eval(m, data, mc_config(cfg, acfg))
+            mc = mc_eval(m, data, mcfg)
             out[f"mc_acc_{tag}"], out[f"mc_acc_norm_{tag}"] = mc.acc, mc.acc_norm
         if h.tasks:  # {task: {acc, acc_stderr, acc_norm, acc_norm_stderr, n}}, with the run's own tokenizer
             tasks[tag] = lm_eval_tasks(m, data.tokenizer, data.eot_id, list(h.tasks),
@@ -214,10 +210,7 @@ def model_analysis(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, out: P
     if (qcfg, acfg.gptq_sequences) in run._pairs:  # the pair the damage built (GPTQ once per job)
         rows, summary = propagation(*run.pair(qcfg, acfg), calib, pcfg)
     else:  # the model held once, its quantized sublayers made one at a time (rotated in place if owned)
-        walk = qcfg
-        if run.owned and qcfg.rotation != "none":
-            model, walk = rotate_model_(model), dataclasses.replace(qcfg, rotation="none")
-        rows, summary = propagation_of(model, walk, calib, pcfg, run.calib(qcfg, acfg))
+        rows, summary = propagation_of(model, qcfg, calib, pcfg, run.calib(qcfg, acfg), in_place=run.owned)
     write_parquet(out / PTQ_FILES["outliers"], pd.DataFrame([dataclasses.asdict(r) for r in layers]))
     write_parquet(out / PTQ_FILES["propagation"], pd.DataFrame([dataclasses.asdict(r) for r in rows]))
     result = finite_json({"scheme": qcfg.name, "weights": acfg.weights, **aggregate(layers),
@@ -236,12 +229,6 @@ def fp_outliers(run_dir: Path, acfg: AnalysisConfig = AnalysisConfig()) -> dict[
     result = finite_json(aggregate(outlier_metrics(run.model, calib)))
     atomic_write_json(path, result)
     return result
-
-
-def _gptq_calib(cfg: RunConfig, data, acfg: AnalysisConfig) -> torch.Tensor:
-    micro = cfg.train.batch_size // cfg.train.grad_accum
-    batches = _batches(cfg, data.train, 1 + acfg.gptq_sequences // micro, 777)
-    return torch.cat([x for x, _ in batches])[: acfg.gptq_sequences]
 
 
 def read_result(run_dir: Path, acfg: AnalysisConfig, scheme: str, what: Literal["damage", "analysis"]) -> dict | None:
@@ -296,9 +283,8 @@ def score_gains(run: LoadedRun, qcfg: PTQConfig, acfg: AnalysisConfig, params: d
     fp = model if qcfg.rotation == "none" else rotate_model_(copy.deepcopy(model))
     if score == "oracle":
         val = _batches(cfg, data.val, acfg.eval_batches or cfg.train.eval_batches, cfg.seed + 12345)
-        walk = dataclasses.replace(qcfg, rotation="none")
-        return measured_gains(params, choices, lambda bits: val_loss(quantize_(
-            shared_copy(fp), dataclasses.replace(walk, plan=tuple(bits.items())), run.calib(walk, acfg)), val).loss)
+        return measured_gains(params, choices, lambda bits: val_loss(quantize_(shared_copy(fp), dataclasses.replace(
+            qcfg, rotation="none", plan=tuple(bits.items())), run.calib(qcfg, acfg)), val).loss)  # fp: rotated already
     lins = {model_name(n): lin for n, lin in linear_layers(fp, skip=skip)}  # a rotated o_proj is o_proj
     weights = {n: lins[model_name(n)].weight for n in params}
     was = {n: w.requires_grad for n, w in weights.items()}

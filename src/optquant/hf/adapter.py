@@ -18,6 +18,7 @@ these five (a new one is one `Family` line if its decoder layer is Llama-shaped)
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -99,15 +100,6 @@ class HFResidual(nn.Module):
         return x + self._f(self.norm(x))
 
 
-class HFBlock(nn.Module):
-    def __init__(self, attn: HFResidual, mlp: HFResidual):
-        super().__init__()
-        self.attn, self.mlp = attn, mlp
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.mlp(self.attn(x))
-
-
 class HFLM(nn.Module):
     """An HF causal LM as a chain of residual sublayers. forward(idx (B, T)) -> logits (B, T, V)."""
 
@@ -126,7 +118,7 @@ class HFLM(nn.Module):
             window = family.window(config, layer.self_attn)
             attn = HFResidual(layer.self_attn, getattr(layer, family.attn_norm), family.post_norm, self.rotary, window)
             mlp = HFResidual(layer.mlp, getattr(layer, family.mlp_norm), family.post_norm)
-            blocks.append(HFBlock(attn, mlp))
+            blocks.append(nn.Sequential(OrderedDict(attn=attn, mlp=mlp)))  # a block: attn, then mlp
         self.blocks = nn.ModuleList(blocks)
         self.norm = base.norm
         self.lm_head = hf_model.lm_head

@@ -52,10 +52,15 @@ def shard_index(path: Path) -> dict[str, Path]:
 
 
 class LazyWeights:
-    """The checkpoint tensors of one module: {attribute path inside it: (file, tensor name)}."""
+    """The checkpoint tensors of one module: {attribute path inside it: (file, tensor name)}. `names` holds the
+    checkpoint name of each HF submodule by id: a residual sublayer's inner module and norm sit apart in it."""
 
-    def __init__(self, module: nn.Module, prefix: str, index: dict[str, Path], dtype: torch.dtype):
-        self.where = {n: (index[prefix + n], prefix + n) for n, _ in module.named_parameters()}
+    def __init__(self, module: nn.Module, names: dict[int, str], index: dict[str, Path], dtype: torch.dtype):
+        self.where = {}
+        for path, m in module.named_modules():
+            for n, _ in m.named_parameters(recurse=False):
+                key = f"{names[id(m)]}.{n}"
+                self.where[f"{path}.{n}" if path else n] = (index[key], key)
         self.dtype = dtype
 
     def load_(self, module: nn.Module, device: torch.device) -> None:
@@ -107,13 +112,11 @@ def load_lazy(path: Path, dtype: str, seq_len: int):
     names = {id(m): n for n, m in hf.named_modules()}
     compute = torch.float32 if want == torch.bfloat16 and not device.fast_bf16(torch.device("cpu")) else want
     for sub in model.sublayers():
-        for m in (sub.inner, sub.norm):
-            object.__setattr__(m, "_lazy_weights", LazyWeights(m, names[id(m)] + ".", index, compute))
-        object.__setattr__(sub, "_lazy_weights", _Group([sub.inner, sub.norm]))
+        object.__setattr__(sub, "_lazy_weights", LazyWeights(sub, names, index, compute))
     try:
         for m, dt in ((base.embed_tokens, want), (base.norm, compute),
                       *(() if config.tie_word_embeddings else ((hf.lm_head, want),))):
-            LazyWeights(m, names[id(m)] + ".", index, dt).load_(m, torch.device("cpu"))
+            LazyWeights(m, names, index, dt).load_(m, torch.device("cpu"))
     except Exception as e:  # a shard that the index names but that is not safetensors
         raise OptquantError(f"{path}: unreadable weights ({type(e).__name__}: {str(e).splitlines()[:1]})") from None
     if config.tie_word_embeddings:
@@ -132,26 +135,9 @@ def materialize_(model: nn.Module) -> nn.Module:
         lazy = sub.__dict__.pop("_lazy_weights", None)
         if lazy is not None:
             lazy.load_(sub, next(model.embed.parameters()).device)
-            for m in lazy.parts:
-                m.__dict__.pop("_lazy_weights", None)
             for p in sub.parameters():
                 p.data = p.data.clone()  # the mapping goes with the last view of it: one sublayer at a time
     return model
-
-
-class _Group:
-    """The lazy weights of a residual sublayer: those of its inner module and of its norm."""
-
-    def __init__(self, parts: list[nn.Module]):
-        self.parts = parts
-
-    def load_(self, module: nn.Module, device: torch.device) -> None:
-        for m in self.parts:
-            m._lazy_weights.load_(m, device)
-
-    def release_(self, module: nn.Module) -> None:
-        for m in self.parts:
-            m._lazy_weights.release_(m)
 
 
 def _check_names(path: Path, hf: nn.Module, index: dict[str, Path], config) -> None:

@@ -63,11 +63,7 @@ def capture(
     outputs: bool = False,
     fn: OnForward | None = None,
 ) -> Iterator[Activations]:
-    """Hook `modules` of `model` for the duration of the `with` block.
-
-    With `fn`, every forward calls `fn(name, input, output or None)` and nothing is stored; the
-    yielded Activations then stays empty.
-    """
+    """Hook `modules` of `model` for the `with` block (module docstring); with `fn` the Activations stay empty."""
     acts = Activations()
     handles = []
 

@@ -30,7 +30,7 @@ from optquant.device import resident
 from optquant.errors import OptquantError
 from optquant.metrics.gains import rows2d, syrk
 from optquant.quant.layers import QuantLinear, linear_layers
-from optquant.quant.ptq import PTQConfig, _calib_batches, check_plan, quantize_unit_, quantized_layers
+from optquant.quant.ptq import PTQConfig, _calib_batches, quantize_unit_, quantized_layers
 
 GRAM_ROWS = 8192  # vocabulary rows per chunk of the head's Gram matrix
 
@@ -113,7 +113,6 @@ def quantized_links(model: nn.Module, qcfg: PTQConfig, cfg, calib: Iterable | No
     if qcfg.rotation != "none":
         raise OptquantError("quantized_links: rotate the FP model first (ptq_pair), then walk it unrotated")
     layers = dict(quantized_layers(model, qcfg))
-    check_plan(qcfg, list(layers))
     names = {id(m): n for n, m in model.named_modules()}
     gptq = qcfg.method == "gptq" and calib is not None
     device = next(model.parameters()).device

@@ -209,20 +209,20 @@ def outlier_metrics(
     caller's). `skip` is passed to `linear_layers` and should match the PTQ config (lm_head unless
     `quantize_head`). Linear rows come first, then residual rows, each in forward order.
     """
-    sites = {f"linear:{name}": (name, m) for name, m in linear_layers(model, skip=skip)}
-    if residual:
-        names = {id(m): n for n, m in model.named_modules()}
-        for sub in model.sublayers():
-            sites[f"residual:{names[id(sub)]}"] = (names[id(sub)], sub)
+    names = {id(m): n for n, m in model.named_modules()}
+    kinds = {"linear": linear_layers(model, skip=skip),
+             "residual": [(names[id(sub)], sub) for sub in model.sublayers()] if residual else []}
+    sites = {f"{kind}:{name}": (kind, i, name, m)  # i: the forward order within its kind
+             for kind, layers in kinds.items() for i, (name, m) in enumerate(layers)}
     streams = {key: _Stream() for key in sites}
 
     def on_forward(key: str, x: Tensor, y: Tensor | None) -> None:
         streams[key].add(y if key.startswith("residual:") else x)
 
-    hooked = {key: m for key, (_, m) in sites.items()}
+    hooked = {key: m for key, (*_, m) in sites.items()}
     # a chain model is walked module by module over all batches (each lazily loaded module read once), and
     # its head run only when a site is in it: the (tokens × vocabulary) logits are otherwise not needed
-    in_head = any(name.split(".")[0] in ("norm", "lm_head") for name, _ in sites.values())
+    in_head = any(name.split(".")[0] in ("norm", "lm_head") for _, _, name, _ in sites.values())
     chain = all(hasattr(model, a) for a in ("embed", "sublayers", "head"))
     with eval_mode(model), capture(model, hooked, outputs=residual, fn=on_forward):
         device = next(model.parameters()).device
@@ -237,12 +237,7 @@ def outlier_metrics(
                     hs = [sub(h) for h in hs]
             for h in hs if in_head else ():
                 model.head(h)
-    rows, counters = [], {"linear": 0, "residual": 0}
-    for key, (name, _) in sites.items():
-        kind = key.split(":", 1)[0]
-        rows.append(streams[key].row(name, kind, counters[kind]))
-        counters[kind] += 1
-    return rows
+    return [streams[key].row(name, kind, i) for key, (kind, i, name, _) in sites.items()]
 
 
 def aggregate(rows: Iterable[OutlierRow]) -> dict[str, float]:

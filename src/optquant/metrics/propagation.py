@@ -75,7 +75,7 @@ from optquant.quant.ptq import PTQConfig, quantize_
 from optquant.quant.rotate import rotate_model_
 
 Norm = Literal["token", "tensor"]
-TERMS = ("R", "A", "B", "C", "R_in")
+TERMS = {"R": ("d", "y"), "A": ("a", "y"), "B": ("b", "y"), "C": ("ab", "y"), "R_in": ("din", "hin")}  # term: its sums
 
 
 @dataclass(frozen=True)
@@ -182,9 +182,8 @@ class _Sums:
         sq = {**out, "hin": inp[0], "din": inp[1]}
         for k, v in sq.items():
             self.ten[k] += v.sum().item()
-        for term, num, den in (("R", "d", "y"), ("A", "a", "y"), ("B", "b", "y"), ("C", "ab", "y")):
+        for term, (num, den) in TERMS.items():
             self.tok[term] += (sq[num] / sq[den]).sum().item()
-        self.tok["R_in"] += (sq["din"] / sq["hin"]).sum().item()
         self.n += sq["y"].shape[0]
 
     def add_gain(self, x: _Input) -> None:
@@ -207,19 +206,16 @@ class _Sums:
         return gain_terms(spectral_norm(self.W), top_singular(gram_M), MdH, t["din"], t["y"], t["hin"])
 
     def terms(self, norm: Norm) -> dict[str, float]:
-        if norm == "token":
-            return {k: v / self.n for k, v in self.tok.items()}
-        t = self.ten
-        return {"R": t["d"] / t["y"], "A": t["a"] / t["y"], "B": t["b"] / t["y"], "C": t["ab"] / t["y"],
-                "R_in": t["din"] / t["hin"]}  # fmt: skip
+        t = ({k: v / self.n for k, v in self.tok.items()} if norm == "token" else
+             {k: self.ten[num] / self.ten[den] for k, (num, den) in TERMS.items()})
+        return t | {"G": ratio(t["A"], t["R_in"])}
 
 
 def abc_terms(f: Callable, fq: Callable, h: Tensor, hq: Tensor, norm: Norm = "token") -> dict[str, float]:
     """R, A, B, C, R_in and G = A/R_in of one module f (FP) / fq (quantized) on inputs h, hq."""
     s = _Sums()
     s.add_rows(_Input(h, hq).rows, output_rows((f(h), f(hq), fq(h), fq(hq))))
-    t = s.terms(norm)
-    return t | {"G": ratio(t["A"], t["R_in"])}
+    return s.terms(norm)
 
 
 def _halves(x: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -284,9 +280,7 @@ def _link_rows(idx: int, link: Link, sums: dict[str, _Sums]) -> list[ABCRow]:
     for name, kind in [*((n, "linear") for n in link.linears), (link.name, link.kind)]:
         split = dict(zip(("G1", "G2", "G_lin"), sums[name].gains(), strict=True))
         for norm in ("token", "tensor"):
-            t = sums[name].terms(norm)
-            rows.append(ABCRow(idx, name, kind, norm, **t, G=ratio(t["A"], t["R_in"]),
-                               **(split if norm == "tensor" else {})))
+            rows.append(ABCRow(idx, name, kind, norm, **sums[name].terms(norm), **(split if norm == "tensor" else {})))
     return rows
 
 
@@ -315,12 +309,12 @@ def propagation(
 
 @torch.no_grad()
 def propagation_of(model: nn.Module, qcfg: PTQConfig, batches: Iterable, cfg: PropagationConfig = PropagationConfig(),
-                   calib=None) -> tuple[list[ABCRow], ABCSummary]:
+                   calib=None, in_place: bool = False) -> tuple[list[ABCRow], ABCSummary]:
     """`propagation(*ptq_pair(model, qcfg, calib), batches, cfg)` holding the FP model once: the quantized
     sublayers are made one at a time as the walk reaches them (metrics/chain.py). With a rotation the
-    rotated FP model is made first, in a copy."""
+    rotated FP model is made first, in a copy (`in_place`: the model itself is rotated)."""
     if qcfg.rotation != "none":
-        model = rotate_model_(copy.deepcopy(model))
+        model = rotate_model_(model if in_place else copy.deepcopy(model))
         qcfg = replace(qcfg, rotation="none")
     with eval_mode(model):
         return _walk(model, model.embed, quantized_links(model, qcfg, cfg, calib), batches, cfg.norm)

@@ -65,12 +65,10 @@ def _import_module(spec: str):
         sys.path.append(os.getcwd())  # a console script does not search the current directory
     try:
         return importlib.import_module(spec)
-    except ModuleNotFoundError as e:
-        if not (e.name and (spec == e.name or spec.startswith(e.name + "."))):
-            raise OptquantError(f"optimizer plugin {spec!r} failed to import: {_describe(e)}") from None
-        raise OptquantError(f"optimizer plugin {spec!r}: module {e.name!r} not found (on sys.path or in "
-                            f"{Path.cwd()})") from None
-    except (Exception, SystemExit) as e:  # the user's code, not ours
+    except (Exception, SystemExit) as e:  # the user's code, not ours; but the module itself missing is said so
+        if isinstance(e, ModuleNotFoundError) and e.name and (spec == e.name or spec.startswith(e.name + ".")):
+            raise OptquantError(f"optimizer plugin {spec!r}: module {e.name!r} not found (on sys.path or in "
+                                f"{Path.cwd()})") from None
         raise OptquantError(f"optimizer plugin {spec!r} failed to import: {_describe(e)}") from None
 
 

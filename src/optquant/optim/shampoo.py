@@ -165,14 +165,8 @@ def shampoo_update(p: Tensor, grad: Tensor, state: dict, group: dict) -> Tensor:
         m_hat = state["filtered_grad"].lerp_(grad, 1 - beta1) / (1 - beta1**t)
     adam = adam_direction(m_hat, state["graft_v"], bc2, eps) if "graft_v" in state else None
     direction = torch.empty(p.shape, dtype=p.dtype, device=p.device)  # contiguous: blocks are views
-    pieces = zip(
-        block_views(direction, max_dim),
-        block_views(m_hat, max_dim),
-        block_views(adam if adam is not None else m_hat, max_dim),
-        state["roots"],
-        strict=True,
-    )
-    for out, m, a, roots in pieces:  # a is m without grafting
+    views = (block_views(x, max_dim) for x in (direction, m_hat, adam if adam is not None else m_hat))
+    for out, m, a, roots in zip(*views, state["roots"], strict=True):  # a is m without grafting
         if not roots or (adam is not None and t < start):  # unpreconditioned 1-D / Adam before the first roots
             out.copy_(a)
         else:
@@ -202,7 +196,15 @@ class Shampoo(torch.optim.Optimizer):
         grafting: Literal["adam", "none"] = "adam",
         precondition_1d: bool = True,
     ):
-        _check(lr, betas, eps, momentum, precondition_frequency, start_preconditioning_step, grafting)
+        frequency, start = precondition_frequency, start_preconditioning_step
+        if lr < 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] <= 1:
+            raise OptquantError(f"Shampoo needs lr >= 0, 0 <= beta1 < 1, 0 <= beta2 <= 1; got {lr}, {betas}")
+        if eps <= 0 or not 0 <= momentum < 1 or frequency < 1:
+            raise OptquantError("Shampoo needs eps > 0, 0 <= momentum < 1 and precondition_frequency >= 1")
+        if start != -1 and start < frequency:
+            raise OptquantError(f"Shampoo start_preconditioning_step {start} must be -1 or >= {frequency}")
+        if grafting not in ("adam", "none"):
+            raise OptquantError(f"Shampoo grafting must be 'adam' or 'none', got {grafting!r}")
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -250,17 +252,6 @@ class Shampoo(torch.optim.Optimizer):
                 state["step"] += 1
                 p.add_(shampoo_update(p, p.grad, state, group), alpha=-group["lr"])
         return loss
-
-
-def _check(lr, betas, eps, momentum, frequency, start, grafting) -> None:
-    if lr < 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] <= 1:
-        raise OptquantError(f"Shampoo needs lr >= 0, 0 <= beta1 < 1, 0 <= beta2 <= 1; got {lr}, {betas}")
-    if eps <= 0 or not 0 <= momentum < 1 or frequency < 1:
-        raise OptquantError("Shampoo needs eps > 0, 0 <= momentum < 1 and precondition_frequency >= 1")
-    if start != -1 and start < frequency:
-        raise OptquantError(f"Shampoo start_preconditioning_step {start} must be -1 or >= {frequency}")
-    if grafting not in ("adam", "none"):
-        raise OptquantError(f"Shampoo grafting must be 'adam' or 'none', got {grafting!r}")
 
 
 @dataclass(frozen=True)

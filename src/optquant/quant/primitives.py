@@ -100,8 +100,7 @@ def int_params(x: Tensor, bits: int, grid: str) -> tuple[Tensor, Tensor]:
 
     An all-zero row gets Δ = 1 (its entries quantize to 0 on every grid).
     """
-    absmax = x.abs().amax(-1, keepdim=True)
-    zero = torch.zeros_like(absmax)
+    absmax, lo = x.abs().amax(-1, keepdim=True), None
     if grid == "sym":
         scale = absmax / (2 ** (bits - 1) - 1)
     elif grid == "sym8":
@@ -109,14 +108,13 @@ def int_params(x: Tensor, bits: int, grid: str) -> tuple[Tensor, Tensor]:
     elif grid == "full":
         scale = absmax / (2 ** (bits - 1) - 0.5)
     elif grid == "odd":
-        return 2 * (absmax + 1e-8) / (2**bits - 1), zero + 0.5
+        return 2 * (absmax + 1e-8) / (2**bits - 1), torch.full_like(absmax, 0.5)
     else:
         lo = x.amin(-1, keepdim=True).clamp(max=0)
         hi = x.amax(-1, keepdim=True).clamp(min=0)
         scale = (hi - lo) / (2**bits - 1)
-        scale = torch.where(scale != 0, scale, torch.ones_like(scale))
-        return scale, (-lo / scale).round()
-    return torch.where(scale != 0, scale, torch.ones_like(scale)), zero
+    scale = torch.where(scale != 0, scale, torch.ones_like(scale))
+    return scale, torch.zeros_like(scale) if lo is None else (-lo / scale).round()
 
 
 def quant_params(x: Tensor, spec: QuantSpec, amax_tensor: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -100,11 +100,7 @@ class PTQConfig:
 
     @property
     def name(self) -> str:
-        """Stable short label used as a results key, e.g. "w4a4-rtn", "w4a16-gptq-g128-ao-had".
-
-        Parts: w/a bits, method, format or non-default grid, g<w_group_size>, ag<a_group_size>, "ao"
-        (act_order), "had" (rotation), "head" (LM head quantized). GPTQ's damp and n_calib are not in it.
-        """
+        """A stable results key, e.g. "w4a16-gptq-g128-ao-had"; GPTQ's damp and n_calib are not in it."""
         parts = [f"w{self.w_bits}a{self.a_bits}", self.method]
         if self.format != "int":
             parts.append(self.format)
@@ -177,7 +173,6 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
         rotate_model_(model)
     layers = quantized_layers(model, cfg)
     names = [n for n, _ in layers]
-    check_plan(cfg, names)
     if cfg.method == "gptq" and any(cfg.for_module(n).w_bits < OFF for n in names):
         del layers  # each FP linear is freed once its quantized one replaces it (quantize_unit_)
         _gptq_(model, names, cfg, calib)
@@ -188,9 +183,10 @@ def quantize_(model: nn.Module, cfg: PTQConfig, calib: Tensor | Iterable | None 
 
 
 def quantized_layers(model: nn.Module, cfg: PTQConfig) -> list[tuple[str, nn.Linear]]:
-    """The linear layers `cfg` quantizes (the LM head only with quantize_head), their group sizes checked."""
+    """The linear layers `cfg` quantizes (the LM head only with quantize_head), group sizes and plan checked."""
     layers = linear_layers(model, skip=() if cfg.quantize_head else ("lm_head",))
     check_group_sizes(layers, cfg)
+    check_plan(cfg, [n for n, _ in layers])
     return layers
 
 

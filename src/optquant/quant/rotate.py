@@ -240,12 +240,10 @@ def rotate_model_(model: LM, kind: RotationKind = "hadamard", seed: int = 0) -> 
     fuse_norms_(model)
     rotate_embedding_(model, Q)
     rotate_head_(model, Q)
-    for block in model.blocks:
-        rotate_inputs_(block.attn, Q)
-        online_hadamard_(block.attn.inner, "o_proj", make_rotation(block.attn.inner.o_proj.in_features))
-        rotate_sublayer_output_(block.attn, copy.deepcopy(rot_q))
-        rotate_inputs_(block.mlp, Q)
-        online_hadamard_(block.mlp.inner, "down_proj", make_rotation(block.mlp.inner.down_proj.in_features))
-        rotate_sublayer_output_(block.mlp, copy.deepcopy(rot_q))
+    for sub in model.sublayers():  # attention, MLP, attention, ...
+        out = "o_proj" if _is_attention(sub.inner) else "down_proj"
+        rotate_inputs_(sub, Q)
+        online_hadamard_(sub.inner, out, make_rotation(getattr(sub.inner, out).in_features))
+        rotate_sublayer_output_(sub, copy.deepcopy(rot_q))
     log.info("rotated %s model: kind=%s, D=%d (block %d)", model.cfg.arch, kind, rot_q.n, rot_q.block)
     return model
