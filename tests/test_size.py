@@ -104,7 +104,11 @@ from pathlib import Path
 # 2026-12-06, second session: issue 32's combined architecture arm (`+`) and lawa-live (+25); issue 29's four areas
 # cut again (cli29 −43, quant29 −78, study29 −52, core29 −37: GPTQ's replace loop once, a test-only ABC split
 # moved to the reference, manifest rows from their records, the step count carried, ...): 17,072, budget 17,080.
-BUDGET = 17_080
+# 2026-12-06, third session: issue 32's second-pass CL location, the robust jobs' kind and CPU seconds per step
+# (+35); issue 29's four areas cut again (core29b −54, study29b −52, report29b −55, quant29b −71: one re.split for
+# fortune files, a shared forward-job base, scaling terms once, one LazyWeights per sublayer, ...): 16,882,
+# budget 16,890.
+BUDGET = 16_890
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 
