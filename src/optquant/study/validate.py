@@ -1,9 +1,12 @@
 """One check of a StudySpec, shared by `optquant study --dry-run`, the real run and `run_study`: both accept
 and reject the same values, before anything is planned, written or trained.
 
-Beside the study's own fields (counts, the LR ratio, `workers`, lists without duplicates), every run the spec
-describes is built once through the run config's own validation (`_check_runs`), so a value the training
-would reject (a negative LR, a sweep value "z", a seed of -1, a name that is a path) is rejected here.
+Counts are ≥ 1 (`lr_points`, `cl_eval_every`; `lr_extensions` ≥ 0), the LR ratio above 1, `workers` in
+[1, cores × 4] locally (at most 1024 elsewhere), lists non-empty and free of duplicates (sizes,
+optimizers, seeds, LR grids, sweep values, schemes, QAT bits). Every run the spec describes is built
+once through the run config's own validation (presets, `run=`, `per_optimizer`, each LR and seed, each
+sweep value, each QAT width, each robust entry), so a value the training would reject (a negative LR, a sweep value "z",
+a seed of -1, a name that is a path) is rejected here.
 
 Left out on purpose: `ptq_schemes`, `sweep_ptq_schemes` and `qat_bits` may be empty (a study without
 PTQ or QAT), and `run=` overrides are only checked by building the runs.
