@@ -32,16 +32,16 @@ import pandas as pd
 from scipy import stats
 
 from optquant.config import TrainConfig
-from optquant.files import read_json, read_parquet
+from optquant.files import read_parquet
 from optquant.quant.robust_config import RECOMMENDED_ARM
 from optquant.report.figures import Plot, grid, missing, save
 from optquant.report.html import Section
-from optquant.report.load import fmt
+from optquant.report.load import StudyData, fmt
 from optquant.report.paper import label
 from optquant.report.tables import Table, not_run
 from optquant.runs import StudyDir
 from optquant.stats import ALPHA, holm, min_p, paired_test, rank_with_ties, summarize
-from optquant.study_spec import StudySpec, setting, spec_from_dict
+from optquant.study_spec import StudySpec, setting
 
 ROBUST_FILE = StudyDir(Path()).robust.name  # the captions name it
 
@@ -154,7 +154,7 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
                "recorded it, else wall clock. "
                "n for −30 %: the (size, seed) units at which a 30 % cut is significant after Holm with power "
                f"{POWER} (seeds_needed: normal approximation with the cell's measured sd of paired differences, "
-               "at α/cells).")
+               f"at α/cells). Verdict: {verdict(cells)}")
     return Table("robust", f"Robustness: change in PTQ damage ({scheme})", cols, rows, caption), cells
 
 
@@ -294,27 +294,24 @@ def fig_pareto(df: pd.DataFrame, scheme: str, out: Path) -> Plot:
     return Plot("robust-pareto", title, save(fig, out, "robust_pareto"), caption)
 
 
-def robust_section(root: Path, fig_dir: Path) -> Section:
+def robust_section(d: StudyData, fig_dir: Path) -> Section:
     intro = ("Each optimizer's best-LR runs again with a quantization-robust training method on "
              "(quant/robust.py), measured like the plain runs at the Common Loss. A late-QAT run is the plain "
              "run until its switch step, so where it reaches the Common Loss before the switch its CL model is "
              "the plain one (a difference of exactly 0); its final model shows what QAT changed.")
-    sd = StudyDir(root)
-    path, spec = sd.robust, _spec(sd)
-    df = read_parquet(path) if path.is_file() else None
+    df = read_parquet(d.dir.robust) if d.dir.robust.is_file() else None
     schemes = [] if df is None else list(dict.fromkeys(df.loc[df["weights"] == "cl", "scheme"]))
-    results = read_parquet(sd.results) if sd.results.is_file() else None
-    scheme = None if results is None else damage_scheme(spec, schemes, results)
-    plan = () if scheme is None else (seed_table(results, scheme, (spec and spec.robust) or RECOMMENDED_ARM),)
+    results = d.results if d.dir.results.is_file() else None
+    scheme = None if results is None else damage_scheme(d.spec, schemes, results)
+    plan = () if scheme is None else (seed_table(results, scheme, (d.spec and d.spec.robust) or RECOMMENDED_ARM),)
     if df is None:
         return Section("robust", "Robust training", intro,
                        (not_run("robust", "Robustness", "the study has no robust arm (robust=...)"), *plan))
     if not schemes:
         return Section("robust", "Robust training", intro, (not_run("robust", "Robustness", "no CL rows"),))
     table, cells = robustness_table(df, schemes[0])
-    table = Table(table.key, table.title, table.columns, table.rows, f"{table.caption} Verdict: {verdict(cells)}")
     return Section("robust", "Robust training", intro,
-                   (table, *filter(None, [decay_table(df, schemes[0], spec)]), scheme_table(df, schemes),
+                   (table, *filter(None, [decay_table(df, schemes[0], d.spec)]), scheme_table(df, schemes),
                     ranking_table(df, schemes[0]), *plan, fig_pareto(df, schemes[0], fig_dir)))
 
 
@@ -324,7 +321,3 @@ def damage_scheme(spec: StudySpec | None, schemes: list[str], results: pd.DataFr
     cl = list(dict.fromkeys(results.loc[results["kind"] == "cl", "scheme"]))
     return next(iter([*schemes, *(spec.ptq_schemes[:1] if spec else ()), *cl[:1]]), None)
 
-
-def _spec(sd: StudyDir) -> StudySpec | None:
-    spec = (read_json(sd.study) if sd.study.is_file() else {}).get("spec")
-    return spec_from_dict(spec) if spec else None
