@@ -106,14 +106,12 @@ class StudyData:
 
     def paper_scheme(self) -> str | None:
         """W4A4 RTN if the study ran it, else the first PTQ scheme (None without PTQ)."""
-        s = self.schemes("cl")
-        return s[0] if s else None
+        return next(iter(self.schemes("cl")), None)
 
     def largest(self) -> str | None:
         """The largest size with any result rows (study.json may list sizes that never ran)."""
         ran = set(self.results["size"])
-        pool = [s for s in self.sizes if s in ran]
-        return pool[-1] if pool else None
+        return next((s for s in reversed(self.sizes) if s in ran), None)
 
     def best_runs(self, size: str, kind: str = "fp") -> dict[str, str]:
         """{optimizer: run_id} of the first best-LR run of `kind` at `size` (every CL and QAT row is one)."""
