@@ -89,10 +89,9 @@ def seed_table(results: pd.DataFrame, scheme: str, entries: tuple[str, ...]) -> 
                   f"{math.sqrt(2) * c['sd']:.4f}", str(c["units"]), str(c["needed"] or "–"),
                   str(math.ceil(c["needed"] / c["sizes"])) if c["needed"] else "–") for c in plan)
     caption = (f"{StudyDir(Path()).results.name}: the plain best-LR runs' Δ val loss under {scheme} at the Common "
-               "Loss, at the "
-               f"{plan[0]['sizes'] if plan else 0} largest sizes; seed sd pooled within size. n for −30 %: "
-               "seeds_needed with the sd of a paired difference taken as √2 · seed sd (no noise shared with the "
-               f"plain run of the seed; an upper bound where the arm shares its trajectory), Holm over {n_opt} "
+               f"Loss, at the {plan[0]['sizes'] if plan else 0} largest sizes; seed sd pooled within size. n for "
+               "−30 %: seeds_needed with the sd of a paired difference taken as √2 · seed sd (no noise shared with "
+               f"the plain run of the seed; an upper bound where the arm shares its trajectory), Holm over {n_opt} "
                f"optimizers × {len(entries)} entries ({', '.join(entries)}), power {POWER}; seeds = n / sizes.")
     return Table("robust-seeds", f"Seeds to resolve a 30 % damage cut after Holm ({scheme})",
                  ("optimizer", "plain damage", "seed sd", "CV", "paired sd (√2·sd)", "units now", "n for −30 %",
@@ -141,8 +140,7 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
     cells = _cells(df, scheme)
     cols = ("optimizer", "method", "n", "Δ damage (arm − plain) [95 % CI]", "change", "p", "p_Holm",
             "Δ FP loss at the CL [95 % CI]", "Δ final FP loss [95 % CI]", "p_Holm FP", "step time ×", "R_L change",
-            "CL reached",
-            "n for −30 %")
+            "CL reached", "n for −30 %")
     rows = tuple((c["opt"], c["arm"], str(c["test"].n), _ci(c["test"]), _pct(c['change']), f"{c['test'].p:.3g}",
                   f"{c['test_holm']:.3g}", _ci(c["at_cl"]), _ci(c["fp"]), f"{c['fp_holm']:.3g}",
                   f"{fmt(c['cost'], 2)}×", _pct(c['rl']), c["reached"], str(c["needed"] or "–")) for c in cells)
@@ -163,11 +161,8 @@ def _ci(t) -> str:
 
 
 def verdict(cells: list[dict]) -> str:
-    """Which arm, if any, cuts damage significantly at no significant FP cost; whether the goal is met (for at
-    least GOAL_OPTIMIZERS optimizers); if not, the cell that comes closest (the smallest p_Holm of a cut). A cell
-    counts only where its CL model is at equal FP loss (at_cl not significant after Holm); the goal is also
-    judged at the Common Loss alone, without the final model's FP cost, and the arms whose CL models are not at
-    equal FP loss are named."""
+    """The module docstring's verdict; the goal is also judged at the Common Loss alone, without the final model's
+    FP cost, and the arms whose CL models are not at equal FP loss are named."""
     if not cells:
         return "no robust arm ran"
     good, goal, at_cl_goal, unequal = ({c["arm"]: [] for c in cells} for _ in range(4))
@@ -309,10 +304,10 @@ def robust_section(d: StudyData, fig_dir: Path) -> Section:
                        (not_run("robust", "Robustness", "the study has no robust arm (robust=...)"), *plan))
     if not schemes:
         return Section("robust", "Robust training", intro, (not_run("robust", "Robustness", "no CL rows"),))
-    table, cells = robustness_table(df, schemes[0])
     return Section("robust", "Robust training", intro,
-                   (table, *filter(None, [decay_table(df, schemes[0], d.spec)]), scheme_table(df, schemes),
-                    ranking_table(df, schemes[0]), *plan, fig_pareto(df, schemes[0], fig_dir)))
+                   (robustness_table(df, schemes[0])[0], *filter(None, [decay_table(df, schemes[0], d.spec)]),
+                    scheme_table(df, schemes), ranking_table(df, schemes[0]), *plan,
+                    fig_pareto(df, schemes[0], fig_dir)))
 
 
 def damage_scheme(spec: StudySpec | None, schemes: list[str], results: pd.DataFrame) -> str | None:
