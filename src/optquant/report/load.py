@@ -129,8 +129,7 @@ class StudyData:
         of the selected rows, joined by "/"}; cells where no run records the key are absent."""
         out = {}
         for cell, g in self.rows(kind, metric).groupby(["size", "optimizer"]):
-            summaries = (_optional(read_json, self.dir.run(str(r)).summary) or {}
-                         for r in g["run_id"].unique())
+            summaries = (_optional(read_json, self.dir.run(str(r)).summary) or {} for r in g["run_id"].unique())
             values = {str(v) for s in summaries if (v := s.get(key)) is not None}
             if values:
                 out[cell] = "/".join(sorted(values))
@@ -220,7 +219,7 @@ def load_study(study_dir: str | Path) -> StudyData:
 def _blocks(files: StudyDir, sizes_info: dict, results: pd.DataFrame) -> dict[str, int]:
     """Blocks per size: study.json's `n_layer`, or (a study from before it was recorded) the config.json of
     one of the size's runs."""
-    out = {s: int(v["n_layer"]) for s, v in sizes_info.items() if isinstance(v, dict) and "n_layer" in v}
+    out = {s: int(v["n_layer"]) for s, v in sizes_info.items() if "n_layer" in v}
     for size, g in results.groupby("size"):
         if str(size) not in out:
             record = _optional(read_json, files.run(str(g["run_id"].iloc[0])).config) or {}

@@ -149,10 +149,9 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
                "(α = 0.05); the smallest attainable p is 2/2ⁿ. Δ FP loss at the CL: the two models compared are at "
                "equal FP loss only where it is near 0 (an average that moves only at evaluations, as lawa's, crosses "
                "the threshold late and below it). Step time ×: mean ratio of mean step seconds, CPU where both runs "
-               "recorded it, else wall clock. "
-               "n for −30 %: the (size, seed) units at which a 30 % cut is significant after Holm with power "
-               f"{POWER} (seeds_needed: normal approximation with the cell's measured sd of paired differences, "
-               f"at α/cells). Verdict: {verdict(cells)}")
+               "recorded it, else wall clock. n for −30 %: the (size, seed) units at which a 30 % cut is significant "
+               f"after Holm with power {POWER} (seeds_needed: normal approximation with the cell's measured sd of "
+               f"paired differences, at α/cells). Verdict: {verdict(cells)}")
     return Table("robust", f"Robustness: change in PTQ damage ({scheme})", cols, rows, caption), cells
 
 
@@ -296,9 +295,8 @@ def robust_section(d: StudyData, fig_dir: Path) -> Section:
              "the plain one (a difference of exactly 0); its final model shows what QAT changed.")
     df = read_parquet(d.dir.robust) if d.dir.robust.is_file() else None
     schemes = [] if df is None else list(dict.fromkeys(df.loc[df["weights"] == "cl", "scheme"]))
-    results = d.results if d.dir.results.is_file() else None
-    scheme = None if results is None else damage_scheme(d.spec, schemes, results)
-    plan = () if scheme is None else (seed_table(results, scheme, (d.spec and d.spec.robust) or RECOMMENDED_ARM),)
+    scheme = damage_scheme(d.spec, schemes, d.results) if d.dir.results.is_file() else None
+    plan = () if scheme is None else (seed_table(d.results, scheme, (d.spec and d.spec.robust) or RECOMMENDED_ARM),)
     if df is None:
         return Section("robust", "Robust training", intro,
                        (not_run("robust", "Robustness", "the study has no robust arm (robust=...)"), *plan))
