@@ -452,6 +452,7 @@ def test_seed_table_takes_the_scheme_the_arm_is_judged_on(tmp_path):
     from pathlib import Path
 
     from optquant.files import atomic_write_json
+    from optquant.report.load import load_study
     from optquant.report.robust import RECOMMENDED_ARM, robust_section, seed_table
 
     src = Path(__file__).parents[1] / "docs" / "results" / "results.parquet"
@@ -459,7 +460,7 @@ def test_seed_table_takes_the_scheme_the_arm_is_judged_on(tmp_path):
     results = pd.read_parquet(src)
 
     def seeds():
-        return next(b for b in robust_section(tmp_path, tmp_path / "fig").blocks if b.key == "robust-seeds")
+        return next(b for b in robust_section(load_study(tmp_path), tmp_path / "fig").blocks if b.key == "robust-seeds")
 
     first = list(dict.fromkeys(results.loc[results["kind"] == "cl", "scheme"]))[0]
     assert seeds().rows == seed_table(results, first, RECOMMENDED_ARM).rows  # no study.json
@@ -480,6 +481,7 @@ def test_decay_table_pairs_each_decay_length_with_the_end_of_the_stable_phase(tm
     robust=ema:0.9,lawa:2,decay:0,decay:0.5): each decay length's final-model damage, paired with decay:0."""
     from pathlib import Path
 
+    from optquant.report.load import load_study
     from optquant.report.paper import label
     from optquant.report.robust import decay_table, plain_decay, robust_section
     from optquant.study_spec import StudySpec
@@ -507,5 +509,5 @@ def test_decay_table_pairs_each_decay_length_with_the_end_of_the_stable_phase(tm
     assert [r[1] for r in decay_table(df, "w4a4-rtn", spec).rows[:3]] == ["0 (stable end)", "0.5", "0.6 (plain)"]
     assert decay_table(df[~df["arm"].str.startswith("decay")], "w4a4-rtn", None) is None  # no decay entries
     df.to_parquet(tmp_path / "robust.parquet")
-    keys = [b.key for b in robust_section(tmp_path, tmp_path / "fig").blocks]
+    keys = [b.key for b in robust_section(load_study(tmp_path), tmp_path / "fig").blocks]
     assert keys == ["robust", "robust-decay", "robust-schemes", "robust-ranking", "robust-pareto"]

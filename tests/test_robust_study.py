@@ -14,6 +14,7 @@ import json
 import pandas as pd
 import pytest
 
+from optquant.report.load import load_study
 from optquant.report.paper import label
 from optquant.report.robust import robust_section
 from optquant.report.tables import Table
@@ -65,7 +66,7 @@ def test_the_arm_writes_every_new_entry_and_the_report_carries_it(study, tmp_pat
     assert len(none) == 4 and none.set_index(key)["value"].sort_index().equals(
         plain.set_index(key)["value"].sort_index())
 
-    section = robust_section(study, tmp_path)
+    section = robust_section(load_study(study), tmp_path)
     tables = {b.key: b for b in section.blocks if isinstance(b, Table)}
     rob = tables["robust"]
     named = {label(o): o for o in ("adamw", "soap")}  # the table names optimizers as every table does

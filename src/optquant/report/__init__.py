@@ -160,7 +160,7 @@ def render_report(study_dir: str | Path) -> Path:
         stale.unlink()
     title = f"optquant report — {(d.spec and d.spec.name) or d.root.name}"
     sections = [_fp_section(d, fig_dir), *_ptq_sections(d, fig_dir), *_qat_sections(d, fig_dir),
-                robust_section(d.root, fig_dir), *filter(None, [bits_section(d.root, fig_dir)]), timing_section(d.root)]
+                robust_section(d, fig_dir), *filter(None, [bits_section(d.root, fig_dir)]), timing_section(d.root)]
     text = page(title, _header(d), sections, spec_to_dict(d.spec) if d.spec else {})
     path = d.dir.page
     atomic_write_text(path, text)
@@ -182,7 +182,7 @@ def report_markdown(study_dir: str | Path) -> str:
     and Bit plans tables where the study has them, as markdown."""
     d = load_study(study_dir)
     tables = headline_tables(d)
-    robust = robust_section(d.root, d.dir.figures) if d.dir.robust.is_file() else None  # issue 23's, if run
+    robust = robust_section(d, d.dir.figures) if d.dir.robust.is_file() else None  # issue 23's, if run
     for section in (robust, bits_section(d.root, d.dir.figures)):  # and issue 31's plans, where the study wrote them
         tables += [b for b in section.blocks if isinstance(b, Table)] if section else []
     head = (f"## optquant study {(d.spec and d.spec.name) or d.root.name}\n\n{machine_text(d)}\n\n_{CAVEAT}_\n\n"

@@ -28,16 +28,13 @@ BITS_DIR = StudyDir(Path()).bits.name  # STUDY/bits/*.json: plans from the study
 _NAME = re.compile(r"^blocks\.(\d+)\..*?([^.]+)$")
 
 
-def plan_cells(record: dict) -> dict[tuple[str, int], tuple[float, int]]:
-    """(module kind, layer) → (share of the plan's removable error, bits) of a plan record."""
-    top = str(max(record["choices"]))
-    cells = {}
-    for name, v in record["modules"].items():
-        m = _NAME.match(name)
-        if m:
-            cells[(m.group(2), int(m.group(1)))] = (max(float(v.get("gains", {}).get(top, v["gain"])), 0.0), v["bits"])
+def plan_cells(record: dict) -> dict[tuple[str, int], tuple[float, bool]]:
+    """(module kind, layer) → (share of the plan's removable error, kept at the highest choice) of a plan record."""
+    top = max(record["choices"])
+    cells = {(m[2], int(m[1])): (max(float(v.get("gains", {}).get(str(top), v["gain"])), 0.0), v["bits"] == top)
+             for name, v in record["modules"].items() if (m := _NAME.match(name))}
     total = sum(g for g, _ in cells.values()) or 1.0
-    return {k: (g / total, b) for k, (g, b) in cells.items()}
+    return {k: (g / total, high) for k, (g, high) in cells.items()}
 
 
 def plan_grid(records: list[dict]) -> tuple[list[str], list[int], np.ndarray, np.ndarray]:
@@ -48,8 +45,7 @@ def plan_grid(records: list[dict]) -> tuple[list[str], list[int], np.ndarray, np
     kinds, layers = list(dict.fromkeys(k for k, _ in keys)), sorted({i for _, i in keys})
     share, high = np.full((len(kinds), len(layers)), np.nan), np.full((len(kinds), len(layers)), np.nan)
     for k, i in keys:
-        got = [(c[(k, i)][0], c[(k, i)][1] == max(r["choices"])) for c, r in zip(cells, records, strict=True)
-               if (k, i) in c]
+        got = [c[(k, i)] for c in cells if (k, i) in c]
         share[kinds.index(k), layers.index(i)] = np.mean([s for s, _ in got])
         high[kinds.index(k), layers.index(i)] = np.mean([h for _, h in got])
     return kinds, layers, share, high

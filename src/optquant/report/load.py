@@ -106,14 +106,12 @@ class StudyData:
 
     def paper_scheme(self) -> str | None:
         """W4A4 RTN if the study ran it, else the first PTQ scheme (None without PTQ)."""
-        s = self.schemes("cl")
-        return s[0] if s else None
+        return next(iter(self.schemes("cl")), None)
 
     def largest(self) -> str | None:
         """The largest size with any result rows (study.json may list sizes that never ran)."""
         ran = set(self.results["size"])
-        pool = [s for s in self.sizes if s in ran]
-        return pool[-1] if pool else None
+        return next((s for s in reversed(self.sizes) if s in ran), None)
 
     def best_runs(self, size: str, kind: str = "fp") -> dict[str, str]:
         """{optimizer: run_id} of the first best-LR run of `kind` at `size` (every CL and QAT row is one)."""
@@ -131,8 +129,7 @@ class StudyData:
         of the selected rows, joined by "/"}; cells where no run records the key are absent."""
         out = {}
         for cell, g in self.rows(kind, metric).groupby(["size", "optimizer"]):
-            summaries = (_optional(read_json, self.dir.run(str(r)).summary) or {}
-                         for r in g["run_id"].unique())
+            summaries = (_optional(read_json, self.dir.run(str(r)).summary) or {} for r in g["run_id"].unique())
             values = {str(v) for s in summaries if (v := s.get(key)) is not None}
             if values:
                 out[cell] = "/".join(sorted(values))
@@ -222,7 +219,7 @@ def load_study(study_dir: str | Path) -> StudyData:
 def _blocks(files: StudyDir, sizes_info: dict, results: pd.DataFrame) -> dict[str, int]:
     """Blocks per size: study.json's `n_layer`, or (a study from before it was recorded) the config.json of
     one of the size's runs."""
-    out = {s: int(v["n_layer"]) for s, v in sizes_info.items() if isinstance(v, dict) and "n_layer" in v}
+    out = {s: int(v["n_layer"]) for s, v in sizes_info.items() if "n_layer" in v}
     for size, g in results.groupby("size"):
         if str(size) not in out:
             record = _optional(read_json, files.run(str(g["run_id"].iloc[0])).config) or {}

@@ -32,16 +32,16 @@ import pandas as pd
 from scipy import stats
 
 from optquant.config import TrainConfig
-from optquant.files import read_json, read_parquet
+from optquant.files import read_parquet
 from optquant.quant.robust_config import RECOMMENDED_ARM
 from optquant.report.figures import Plot, grid, missing, save
 from optquant.report.html import Section
-from optquant.report.load import fmt
+from optquant.report.load import StudyData, fmt
 from optquant.report.paper import label
 from optquant.report.tables import Table, not_run
 from optquant.runs import StudyDir
 from optquant.stats import ALPHA, holm, min_p, paired_test, rank_with_ties, summarize
-from optquant.study_spec import StudySpec, setting, spec_from_dict
+from optquant.study_spec import StudySpec, setting
 
 ROBUST_FILE = StudyDir(Path()).robust.name  # the captions name it
 
@@ -89,10 +89,9 @@ def seed_table(results: pd.DataFrame, scheme: str, entries: tuple[str, ...]) -> 
                   f"{math.sqrt(2) * c['sd']:.4f}", str(c["units"]), str(c["needed"] or "–"),
                   str(math.ceil(c["needed"] / c["sizes"])) if c["needed"] else "–") for c in plan)
     caption = (f"{StudyDir(Path()).results.name}: the plain best-LR runs' Δ val loss under {scheme} at the Common "
-               "Loss, at the "
-               f"{plan[0]['sizes'] if plan else 0} largest sizes; seed sd pooled within size. n for −30 %: "
-               "seeds_needed with the sd of a paired difference taken as √2 · seed sd (no noise shared with the "
-               f"plain run of the seed; an upper bound where the arm shares its trajectory), Holm over {n_opt} "
+               f"Loss, at the {plan[0]['sizes'] if plan else 0} largest sizes; seed sd pooled within size. n for "
+               "−30 %: seeds_needed with the sd of a paired difference taken as √2 · seed sd (no noise shared with "
+               f"the plain run of the seed; an upper bound where the arm shares its trajectory), Holm over {n_opt} "
                f"optimizers × {len(entries)} entries ({', '.join(entries)}), power {POWER}; seeds = n / sizes.")
     return Table("robust-seeds", f"Seeds to resolve a 30 % damage cut after Holm ({scheme})",
                  ("optimizer", "plain damage", "seed sd", "CV", "paired sd (√2·sd)", "units now", "n for −30 %",
@@ -141,8 +140,7 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
     cells = _cells(df, scheme)
     cols = ("optimizer", "method", "n", "Δ damage (arm − plain) [95 % CI]", "change", "p", "p_Holm",
             "Δ FP loss at the CL [95 % CI]", "Δ final FP loss [95 % CI]", "p_Holm FP", "step time ×", "R_L change",
-            "CL reached",
-            "n for −30 %")
+            "CL reached", "n for −30 %")
     rows = tuple((c["opt"], c["arm"], str(c["test"].n), _ci(c["test"]), _pct(c['change']), f"{c['test'].p:.3g}",
                   f"{c['test_holm']:.3g}", _ci(c["at_cl"]), _ci(c["fp"]), f"{c['fp_holm']:.3g}",
                   f"{fmt(c['cost'], 2)}×", _pct(c['rl']), c["reached"], str(c["needed"] or "–")) for c in cells)
@@ -151,10 +149,9 @@ def robustness_table(df: pd.DataFrame, scheme: str) -> tuple[Table, list[dict]]:
                "(α = 0.05); the smallest attainable p is 2/2ⁿ. Δ FP loss at the CL: the two models compared are at "
                "equal FP loss only where it is near 0 (an average that moves only at evaluations, as lawa's, crosses "
                "the threshold late and below it). Step time ×: mean ratio of mean step seconds, CPU where both runs "
-               "recorded it, else wall clock. "
-               "n for −30 %: the (size, seed) units at which a 30 % cut is significant after Holm with power "
-               f"{POWER} (seeds_needed: normal approximation with the cell's measured sd of paired differences, "
-               "at α/cells).")
+               "recorded it, else wall clock. n for −30 %: the (size, seed) units at which a 30 % cut is significant "
+               f"after Holm with power {POWER} (seeds_needed: normal approximation with the cell's measured sd of "
+               f"paired differences, at α/cells). Verdict: {verdict(cells)}")
     return Table("robust", f"Robustness: change in PTQ damage ({scheme})", cols, rows, caption), cells
 
 
@@ -163,11 +160,8 @@ def _ci(t) -> str:
 
 
 def verdict(cells: list[dict]) -> str:
-    """Which arm, if any, cuts damage significantly at no significant FP cost; whether the goal is met (for at
-    least GOAL_OPTIMIZERS optimizers); if not, the cell that comes closest (the smallest p_Holm of a cut). A cell
-    counts only where its CL model is at equal FP loss (at_cl not significant after Holm); the goal is also
-    judged at the Common Loss alone, without the final model's FP cost, and the arms whose CL models are not at
-    equal FP loss are named."""
+    """The module docstring's verdict; the goal is also judged at the Common Loss alone, without the final model's
+    FP cost, and the arms whose CL models are not at equal FP loss are named."""
     if not cells:
         return "no robust arm ran"
     good, goal, at_cl_goal, unequal = ({c["arm"]: [] for c in cells} for _ in range(4))
@@ -294,28 +288,24 @@ def fig_pareto(df: pd.DataFrame, scheme: str, out: Path) -> Plot:
     return Plot("robust-pareto", title, save(fig, out, "robust_pareto"), caption)
 
 
-def robust_section(root: Path, fig_dir: Path) -> Section:
+def robust_section(d: StudyData, fig_dir: Path) -> Section:
     intro = ("Each optimizer's best-LR runs again with a quantization-robust training method on "
              "(quant/robust.py), measured like the plain runs at the Common Loss. A late-QAT run is the plain "
              "run until its switch step, so where it reaches the Common Loss before the switch its CL model is "
              "the plain one (a difference of exactly 0); its final model shows what QAT changed.")
-    sd = StudyDir(root)
-    path, spec = sd.robust, _spec(sd)
-    df = read_parquet(path) if path.is_file() else None
+    df = read_parquet(d.dir.robust) if d.dir.robust.is_file() else None
     schemes = [] if df is None else list(dict.fromkeys(df.loc[df["weights"] == "cl", "scheme"]))
-    results = read_parquet(sd.results) if sd.results.is_file() else None
-    scheme = None if results is None else damage_scheme(spec, schemes, results)
-    plan = () if scheme is None else (seed_table(results, scheme, (spec and spec.robust) or RECOMMENDED_ARM),)
+    scheme = damage_scheme(d.spec, schemes, d.results) if d.dir.results.is_file() else None
+    plan = () if scheme is None else (seed_table(d.results, scheme, (d.spec and d.spec.robust) or RECOMMENDED_ARM),)
     if df is None:
         return Section("robust", "Robust training", intro,
                        (not_run("robust", "Robustness", "the study has no robust arm (robust=...)"), *plan))
     if not schemes:
         return Section("robust", "Robust training", intro, (not_run("robust", "Robustness", "no CL rows"),))
-    table, cells = robustness_table(df, schemes[0])
-    table = Table(table.key, table.title, table.columns, table.rows, f"{table.caption} Verdict: {verdict(cells)}")
     return Section("robust", "Robust training", intro,
-                   (table, *filter(None, [decay_table(df, schemes[0], spec)]), scheme_table(df, schemes),
-                    ranking_table(df, schemes[0]), *plan, fig_pareto(df, schemes[0], fig_dir)))
+                   (robustness_table(df, schemes[0])[0], *filter(None, [decay_table(df, schemes[0], d.spec)]),
+                    scheme_table(df, schemes), ranking_table(df, schemes[0]), *plan,
+                    fig_pareto(df, schemes[0], fig_dir)))
 
 
 def damage_scheme(spec: StudySpec | None, schemes: list[str], results: pd.DataFrame) -> str | None:
@@ -324,7 +314,3 @@ def damage_scheme(spec: StudySpec | None, schemes: list[str], results: pd.DataFr
     cl = list(dict.fromkeys(results.loc[results["kind"] == "cl", "scheme"]))
     return next(iter([*schemes, *(spec.ptq_schemes[:1] if spec else ()), *cl[:1]]), None)
 
-
-def _spec(sd: StudyDir) -> StudySpec | None:
-    spec = (read_json(sd.study) if sd.study.is_file() else {}).get("spec")
-    return spec_from_dict(spec) if spec else None
