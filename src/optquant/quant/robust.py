@@ -59,6 +59,7 @@ from torch import Tensor, nn
 
 from optquant.errors import OptquantError
 from optquant.evaluate import hidden_states
+from optquant.quant.averaging import WeightAverage
 from optquant.quant.layers import linear_layers
 from optquant.quant.qat import QATLinear, prepare_qat_, ste_quantize
 from optquant.quant.qat_config import QATConfig
@@ -203,11 +204,8 @@ class Robust:
         layers = [m for _, m in linear_layers(model, skip=("lm_head",)) if type(m) is nn.Linear]
         self.grams = InputGrams(layers) if cfg.method == "gain" else None
         self.label = f"{cfg.method}:{cfg.value:g}"
-        self.average = None
-        if cfg.method in AVERAGES:
-            from optquant.quant.averaging import WeightAverage
-
-            self.average = WeightAverage(model, cfg.method, cfg.value, cfg.every, eval_every, steps)
+        self.average = (WeightAverage(model, cfg.method, cfg.value, cfg.every, eval_every, steps)
+                        if cfg.method in AVERAGES else None)
 
     def active(self, step: int) -> bool:
         return step % self.cfg.every == 0
