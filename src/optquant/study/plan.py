@@ -158,13 +158,11 @@ def cl_stage(study: Study, state: State) -> None:
     steps with the fp32 evaluator, starting from the kept checkpoint of the last evaluation before the
     crossing (a deterministic run resumes exactly where a replay would be). Sets the thresholds by size
     and the CL models' run directories by (optimizer, size, seed)."""
-    spec, found, thresholds, cfgs = study.spec, state.found, {}, {}
+    spec, found, cfgs = study.spec, state.found, {}
     done = [(key, seed, s) for key, search in found.items() for seed, s in search.best_runs().items()
             if s.get("status") == "done" and s.get("best_val_loss") is not None]
-    for size in spec.sizes:
-        losses = [s["best_val_loss"] for (o, sz), _, s in done if sz == size]
-        if losses:
-            thresholds[size] = max(losses)
+    thresholds = {size: max(best) for size in spec.sizes
+                  if (best := [s["best_val_loss"] for (_, sz), _, s in done if sz == size])}
     for (opt, size), seed, summary in done:
         threshold = thresholds[size] * (1 + CL_SLACK)
         source = study.runs / summary["run_id"]
