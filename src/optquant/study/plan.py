@@ -24,11 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from optquant.config import RunConfig, override
+from optquant.device import cpu_name, fast_bf16, use_bf16
 from optquant.files import atomic_write, atomic_write_json, atomic_write_text, write_parquet
 from optquant.harness import HarnessConfig, task_manager
 from optquant.ptq_stage import AnalysisConfig, scheme_config
-from optquant.runs import RunDir, StudyDir, read_metrics, run_dir
+from optquant.runs import RunDir, StudyDir, git_commit, read_metrics, run_dir
 from optquant.study.executor import WorkerPool, execute, threads_per_worker
 from optquant.study.jobs import Job, OutliersJob, PTQJob, Result, TrainJob
 from optquant.study.tuning import Key, LRSearch, group_fields, loss_of, losses, ratio_settings, step_sizes, tune
@@ -221,7 +224,7 @@ def bits_stage(study: Study, state: State) -> None:
     ABC walk; choices 4,8) under the first PTQ scheme, written atomically to STUDY/bits/<run id>.json with its
     (size, optimizer, seed) for report/bit_plans.py. A plan already there is kept: a resumed study computes only
     the missing ones. Runs in the study's process: a walk costs about one PTQ job's analysis."""
-    from optquant.ptq_stage import LoadedRun, model_bits
+    from optquant.ptq_stage import LoadedRun, model_bits  # looked up at the call (a test replaces model_bits)
 
     todo = {k: p for k, p in state.cl_paths.items() if not (study.dir.bits / f"{p.name}.json").exists()}
     if not study.spec.ptq_schemes or not todo:
@@ -495,11 +498,6 @@ def _probe(spec: StudySpec) -> dict[str, Any] | None:
 def machine(spec: StudySpec) -> dict[str, Any]:
     """Where the study (last) started: the CPU and whether it multiplies bf16 natively, the precision its runs
     compute in (train.precision and Newton–Schulz, resolved on this CPU), threads per worker, the commit."""
-    import torch
-
-    from optquant.device import cpu_name, fast_bf16, use_bf16
-    from optquant.runs import git_commit
-
     cpu = torch.device("cpu")
     runs = {o: run_config(spec, spec.sizes[0], o) for o in spec.optimizers}
     ns = sorted({"bf16" if use_bf16(c.optim.ns_dtype, cpu) else "fp32" for c in runs.values()
