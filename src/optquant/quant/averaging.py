@@ -74,9 +74,8 @@ class WeightAverage:
         """The average, one tensor per parameter; None before the first update."""
         if self.method == "ema":
             return None if int(self.ema.n_averaged) == 0 else [p.detach() for p in self.ema.module.parameters()]
-        snaps = self.snaps
-        if self.live and not self.kept_now:  # the current weights as the newest of the k
-            snaps = [*snaps[max(0, len(snaps) - self.k + 1):], [p.detach() for p in self.params]]
+        live = self.live and not self.kept_now  # the current weights as the newest of the k
+        snaps = [*self.snaps, [p.detach() for p in self.params]][-self.k:] if live else self.snaps
         if not snaps:
             return None
         return [sum(ts[1:], ts[0].clone()) / len(ts) for ts in zip(*snaps, strict=True)]

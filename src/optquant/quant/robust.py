@@ -59,6 +59,7 @@ from torch import Tensor, nn
 
 from optquant.errors import OptquantError
 from optquant.evaluate import hidden_states
+from optquant.quant.averaging import WeightAverage
 from optquant.quant.layers import linear_layers
 from optquant.quant.qat import QATLinear, prepare_qat_, ste_quantize
 from optquant.quant.qat_config import QATConfig
@@ -108,20 +109,16 @@ def head_relative_error(W: Tensor, n: Tensor, nq: Tensor) -> Tensor:
         return (((u @ G) * u).sum(-1) / ((n @ G) * n).sum(-1)).mean()
 
 
-def final_hidden(model: nn.Module, x: Tensor) -> Tensor:
-    """norm(h_L): the LM's forward up to its head, walked along `model.sublayers()` (the same operations
-    in the same order as LM.forward, so lm_head of it is bitwise the model's logits)."""
-    return model.norm(hidden_states(model, x))
-
-
 def penalty_terms(model: nn.Module, x: Tensor, y: Tensor, bits: int,
                   quant: Quantizer = ste_quantize) -> tuple[Tensor, Tensor]:
-    """(CE, R_L) on one batch: CE exactly as lm_loss computes it, and R_L of the fake-quantized copy."""
-    n = final_hidden(model, x)
+    """(CE, R_L) on one batch: CE exactly as lm_loss computes it, and R_L of the fake-quantized copy. The final
+    hidden states norm(h_L) are walked along `model.sublayers()` (LM.forward's operations in its order, so lm_head
+    of them is bitwise the model's logits)."""
+    n = model.norm(hidden_states(model, x))
     logits = model.lm_head(n)
     ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
     with fake_quantized(model, bits, quant):
-        nq = final_hidden(model, x)
+        nq = model.norm(hidden_states(model, x))
     if model.lm_head.bias is not None:  # no Gram shortcut for an affine head
         return ce, relative_error(logits, model.lm_head(nq))
     return ce, head_relative_error(model.lm_head.weight, n, nq)
@@ -203,11 +200,8 @@ class Robust:
         layers = [m for _, m in linear_layers(model, skip=("lm_head",)) if type(m) is nn.Linear]
         self.grams = InputGrams(layers) if cfg.method == "gain" else None
         self.label = f"{cfg.method}:{cfg.value:g}"
-        self.average = None
-        if cfg.method in AVERAGES:
-            from optquant.quant.averaging import WeightAverage
-
-            self.average = WeightAverage(model, cfg.method, cfg.value, cfg.every, eval_every, steps)
+        self.average = (WeightAverage(model, cfg.method, cfg.value, cfg.every, eval_every, steps)
+                        if cfg.method in AVERAGES else None)
 
     def active(self, step: int) -> bool:
         return step % self.cfg.every == 0

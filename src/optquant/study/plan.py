@@ -24,11 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from optquant.config import RunConfig, override
-from optquant.files import atomic_write_json, atomic_write_text, write_parquet
+from optquant.device import cpu_name, fast_bf16, use_bf16
+from optquant.files import atomic_write, atomic_write_json, atomic_write_text, write_parquet
 from optquant.harness import HarnessConfig, task_manager
 from optquant.ptq_stage import AnalysisConfig, scheme_config
-from optquant.runs import RunDir, StudyDir, read_metrics, run_dir
+from optquant.runs import RunDir, StudyDir, git_commit, read_metrics, run_dir
 from optquant.study.executor import WorkerPool, execute, threads_per_worker
 from optquant.study.jobs import Job, OutliersJob, PTQJob, Result, TrainJob
 from optquant.study.tuning import Key, LRSearch, group_fields, loss_of, losses, ratio_settings, step_sizes, tune
@@ -158,13 +161,11 @@ def cl_stage(study: Study, state: State) -> None:
     steps with the fp32 evaluator, starting from the kept checkpoint of the last evaluation before the
     crossing (a deterministic run resumes exactly where a replay would be). Sets the thresholds by size
     and the CL models' run directories by (optimizer, size, seed)."""
-    spec, found, thresholds, cfgs = study.spec, state.found, {}, {}
+    spec, found, cfgs = study.spec, state.found, {}
     done = [(key, seed, s) for key, search in found.items() for seed, s in search.best_runs().items()
             if s.get("status") == "done" and s.get("best_val_loss") is not None]
-    for size in spec.sizes:
-        losses = [s["best_val_loss"] for (o, sz), _, s in done if sz == size]
-        if losses:
-            thresholds[size] = max(losses)
+    thresholds = {size: max(best) for size in spec.sizes
+                  if (best := [s["best_val_loss"] for (_, sz), _, s in done if sz == size])}
     for (opt, size), seed, summary in done:
         threshold = thresholds[size] * (1 + CL_SLACK)
         source = study.runs / summary["run_id"]
@@ -174,13 +175,9 @@ def cl_stage(study: Study, state: State) -> None:
         cfgs[(opt, size, seed)] = cfg
         seed_from_history(source, settings["train.cl_eval_from"], run_dir(study.runs, cfg))
     results = study.train("common loss", cfgs)
-    paths = {}
-    for key, cfg in cfgs.items():
-        path = run_dir(study.runs, cfg)
-        if results[key].get("cl_step") is None:
-            log.warning("%s never reached the common loss; left out of PTQ", path.name)
-        else:
-            paths[key] = path
+    paths = {key: run_dir(study.runs, cfg) for key, cfg in cfgs.items()}
+    for key in [k for k in paths if results[k].get("cl_step") is None]:
+        log.warning("%s never reached the common loss; left out of PTQ", paths.pop(key).name)
     state.thresholds, state.cl_paths = thresholds, paths
 
 
@@ -205,9 +202,7 @@ def seed_from_history(source: Path, step: int, target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps(r) for r in read_metrics(source) if r["step"] <= step]
     atomic_write_text(dst.metrics, "".join(ln + "\n" for ln in lines))
-    tmp = dst.checkpoint.with_name(f".{dst.checkpoint.name}.seed")
-    shutil.copyfile(ckpt, tmp)
-    os.replace(tmp, dst.checkpoint)
+    atomic_write(dst.checkpoint, lambda tmp: shutil.copyfile(ckpt, tmp))
 
 
 def ptq_stage(study: Study, state: State) -> None:
@@ -229,7 +224,7 @@ def bits_stage(study: Study, state: State) -> None:
     ABC walk; choices 4,8) under the first PTQ scheme, written atomically to STUDY/bits/<run id>.json with its
     (size, optimizer, seed) for report/bit_plans.py. A plan already there is kept: a resumed study computes only
     the missing ones. Runs in the study's process: a walk costs about one PTQ job's analysis."""
-    from optquant.ptq_stage import LoadedRun, model_bits
+    from optquant.ptq_stage import LoadedRun, model_bits  # looked up at the call (a test replaces model_bits)
 
     todo = {k: p for k, p in state.cl_paths.items() if not (study.dir.bits / f"{p.name}.json").exists()}
     if not study.spec.ptq_schemes or not todo:
@@ -257,13 +252,12 @@ def qat_stage(study: Study, state: State) -> None:
     spec = study.spec
     if not spec.qat_bits:
         return
-    cfgs = {run_dir(study.runs, cfg).name: ((key, search.best, seed, b), cfg) for key, search in state.found.items()
-            if search.best is not None and search.converged
-            for seed in spec.seeds for b in spec.qat_bits
-            for cfg in [fp_config(spec, key, search.best, seed, search.sweeps,
-                                  {**search.settings(), "qat.method": "quest", "qat.w_bits": b, "qat.a_bits": b})]}
-    results = study.train("qat", {run_id: cfg for run_id, (_, cfg) in cfgs.items()})
-    state.qat = {run_id: (*run, results[run_id]) for run_id, (run, _) in cfgs.items()}
+    cfgs = {(key, search.best, seed, b): fp_config(spec, key, search.best, seed, search.sweeps, {
+                **search.settings(), "qat.method": "quest", "qat.w_bits": b, "qat.a_bits": b})
+            for key, search in state.found.items() if search.best is not None and search.converged
+            for seed in spec.seeds for b in spec.qat_bits}
+    results = study.train("qat", cfgs)
+    state.qat = {run_dir(study.runs, cfg).name: (*run, results[run]) for run, cfg in cfgs.items()}
 
 
 def robust_stage(study: Study, state: State) -> None:
@@ -304,12 +298,10 @@ def robust_stage(study: Study, state: State) -> None:
 
 
 def early_crossings(runs: Path, cfgs: dict[Hashable, RunConfig], summaries: dict[Hashable, Result]) -> dict:
-    """The robust runs that crossed the CL threshold before their fine evaluations began (those begin where the
-    plain run of the seed began its own search; a method that learns faster crosses earlier, at a regular
-    evaluation, and its CL model would sit up to `eval_every` steps past the crossing): each again, as the
-    plain CL runs are, with fine evaluations from its own last evaluation above the threshold, stopping at the
-    crossing. The runs are deterministic, so the replay is the robust run up to there (robust runs keep no
-    history to start from)."""
+    """The robust runs that crossed the CL threshold before their fine evaluations began (where the plain run's
+    search began; a faster method crosses at a regular evaluation, up to `eval_every` steps late): each again
+    with fine evaluations from its own last evaluation above the threshold to the crossing, a deterministic
+    replay of the robust run (which keeps no history to start from)."""
     again = {}
     for key, cfg in cfgs.items():
         tc, step = cfg.train, summaries[key].get("cl_step")
@@ -358,9 +350,9 @@ class Step:
     stages: tuple[Stage, ...] = ()
 
 
-def _each(spec: StudySpec, jobs: Callable[[str], float]) -> dict[Key, float]:
-    """`jobs(optimizer)` at every (optimizer, size)."""
-    return {(o, s): n for o in spec.optimizers for n in [jobs(o)] for s in spec.sizes}
+def _each(jobs: Callable[[StudySpec, str], float]) -> Callable[[StudySpec, Counts], dict[Key, float]]:
+    """A Stage's jobs: `jobs(spec, optimizer)` at every (optimizer, size)."""
+    return lambda spec, c: {(o, s): n for o in spec.optimizers for n in [jobs(spec, o)] for s in spec.sizes}
 
 
 def _pairs(spec: StudySpec) -> list[Key]:
@@ -392,43 +384,39 @@ def _half(spec: StudySpec) -> float:
     return 0.5
 
 
+_robust_runs = _each(lambda spec, o: len(spec.seeds) * len(spec.robust))
 STEPS = (
     Step(sweep_stage, (Stage("fp", "sweeps (smallest size)", lambda spec, c: {
         (o, spec.sizes[0]): sum(len(v) for v in spec.sweeps.get(o, {}).values()) for o in spec.optimizers},
         analysed=False),)),
     Step(fp_stage, (
-        Stage("fp", "fp sweep (first seed)", lambda spec, c: _each(spec, lambda o: len(lr_grid(spec, o)))),
-        Stage("fp", "fp extensions (≤ {spec.lr_extensions} rounds)", lambda spec, c: _each(
-            spec, lambda o: spec.lr_extensions + (len(lr_grid(spec, o)) == 1 and spec.lr_extensions > 0)),
+        Stage("fp", "fp sweep (first seed)", _each(lambda spec, o: len(lr_grid(spec, o)))),
+        Stage("fp", "fp extensions (≤ {spec.lr_extensions} rounds)", _each(
+            lambda spec, o: spec.lr_extensions + (len(lr_grid(spec, o)) == 1 and spec.lr_extensions > 0)),
             expected=_one_round),  # two new LRs in the first round of a one-point grid
-        Stage("fp", "fp refinement (≤ 1)", lambda spec, c: _each(spec, lambda o: int(spec.lr_refine))),
-        Stage("fp", "group lr searches (tied ratios, ≤ bound)", lambda spec, c: _each(
-            spec, lambda o: len(group_fields(spec, o)) * (_new_in_centred(3) + _after_grid(spec))), expected=_half,
+        Stage("fp", "fp refinement (≤ 1)", _each(lambda spec, o: int(spec.lr_refine))),
+        Stage("fp", "group lr searches (tied ratios, ≤ bound)", _each(
+            lambda spec, o: len(group_fields(spec, o)) * (_new_in_centred(3) + _after_grid(spec))), expected=_half,
             analysed=False),
-        Stage("fp", "fp sweep again where a ratio moved (≤ bound)", lambda spec, c: _each(
-            spec, lambda o: (_new_in_centred(spec.lr_points) + _after_grid(spec)) * bool(group_fields(spec, o))),
+        Stage("fp", "fp sweep again where a ratio moved (≤ bound)", _each(
+            lambda spec, o: (_new_in_centred(spec.lr_points) + _after_grid(spec)) * bool(group_fields(spec, o))),
             expected=_half),
-        Stage("fp", "fp seeds (best LR, other seeds)", lambda spec, c: _each(
-            spec, lambda o: len(repeat_seeds(spec.seeds)))),
+        Stage("fp", "fp seeds (best LR, other seeds)", _each(lambda spec, o: len(repeat_seeds(spec.seeds)))),
     )),
-    Step(cl_stage, (Stage("cl", "common loss (from the kept checkpoint)", lambda spec, c: _each(
-        spec, lambda o: len(spec.seeds))),)),
+    Step(cl_stage, (Stage("cl", "common loss (from the kept checkpoint)", _each(lambda spec, o: len(spec.seeds))),)),
     Step(ptq_stage, (
         Stage("ptq", "ptq + analysis (CL models, FP runs)", _ptq),
         Stage("outliers", "outliers of every FP run", lambda spec, c: {
             k: 0 if spec.sweep_ptq_schemes else c["analysed"][k] for k in _pairs(spec)}),
     )),
     Step(bits_stage),  # in the study's process, no jobs: a plan costs about one PTQ job's analysis
-    Step(qat_stage, (Stage("qat", "qat", lambda spec, c: _each(
-        spec, lambda o: len(spec.seeds) * len(spec.qat_bits))),)),
+    Step(qat_stage, (Stage("qat", "qat", _each(lambda spec, o: len(spec.seeds) * len(spec.qat_bits))),)),
     Step(robust_stage, (
-        Stage("robust", "robust arm (every entry × seed, full budget)", lambda spec, c: _each(
-            spec, lambda o: len(spec.seeds) * len(spec.robust))),
-        Stage("robust", "robust CL again (crossed early, ≤ bound)", lambda spec, c: _each(
-            spec, lambda o: len(spec.seeds) * len(spec.robust)), expected=_half),
+        Stage("robust", "robust arm (every entry × seed, full budget)", _robust_runs),
+        Stage("robust", "robust CL again (crossed early, ≤ bound)", _robust_runs, expected=_half),
         # every scheme on each robust and plain CL model (the plain ones read back from the PTQ stage, still
         # jobs of this stage), the first on every robust and plain final model
-        Stage("ptq", "robust ptq (≤ bound)", lambda spec, c: _each(spec, lambda o: (
+        Stage("ptq", "robust ptq (≤ bound)", _each(lambda spec, o: (
             len(spec.seeds) * len(spec.robust) + bool(spec.robust) * len(spec.seeds)) * (len(spec.ptq_schemes) + 1))),
     )),
     Step(results_stage),
@@ -510,11 +498,6 @@ def _probe(spec: StudySpec) -> dict[str, Any] | None:
 def machine(spec: StudySpec) -> dict[str, Any]:
     """Where the study (last) started: the CPU and whether it multiplies bf16 natively, the precision its runs
     compute in (train.precision and Newton–Schulz, resolved on this CPU), threads per worker, the commit."""
-    import torch
-
-    from optquant.device import cpu_name, fast_bf16, use_bf16
-    from optquant.runs import git_commit
-
     cpu = torch.device("cpu")
     runs = {o: run_config(spec, spec.sizes[0], o) for o in spec.optimizers}
     ns = sorted({"bf16" if use_bf16(c.optim.ns_dtype, cpu) else "fp32" for c in runs.values()
