@@ -107,8 +107,9 @@ from pathlib import Path
 # 2026-12-06, third session: issue 32's second-pass CL location, the robust jobs' kind and CPU seconds per step
 # (+35); issue 29's four areas cut again (core29b −54, study29b −52, report29b −55, quant29b −71: one re.split for
 # fortune files, a shared forward-job base, scaling terms once, one LazyWeights per sublayer, ...): 16,882,
-# budget 16,890.
-BUDGET = 16_890
+# budget 16,890. Then robrep29c −21 (robust_section on the loaded StudyData) and plan29c −24 (the stage table's
+# rows through _each, lawa-live's members as update() keeps them): 16,840, budget 16,845.
+BUDGET = 16_845
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "optquant"
 
 
