@@ -149,7 +149,7 @@ def train(cfg: RunConfig, run_dir: Path, on_step: Callable[[dict], None] | None 
         for opt in r.optimizers:
             opt.zero_grad(set_to_none=True)
         state["train_time"] += time.perf_counter() - t0
-        state["cpu_time"] = state.get("cpu_time", 0.0) + time.process_time() - c0  # not in older checkpoints
+        state["cpu_time"] += time.process_time() - c0
         state["timed_steps"] += 1
         state["step"] = step + 1
         _log_step(r, state, on_step, {"loss": loss, "lr_mult": mult}, t0)
@@ -224,7 +224,7 @@ def _resume(r: _Loop) -> dict[str, Any]:
     if r.robust is not None:
         r.robust.load(saved.get("robust"))
     log.info("resumed %s at step %d", ckpt.parent.name, saved["loop"]["step"])
-    return saved["loop"]
+    return {"cpu_time": 0.0, **saved["loop"]}  # a checkpoint from before CPU time was kept has none
 
 
 def _forward_backward(r: _Loop, mult: float, step: int) -> float:
@@ -334,7 +334,7 @@ def _summarise(r: _Loop, state: dict, ended: tuple[int, str] | None) -> dict[str
         "eigh_retries": sum(getattr(o, "eigh_retries", 0) for o in optimizers),  # Shampoo's fp64 retries
         "mean_step_seconds": state["train_time"] / max(1, state["timed_steps"]),
         # the process's CPU seconds (every thread): what a step costs, whatever else loads the machine
-        "mean_step_cpu_seconds": state.get("cpu_time", 0.0) / max(1, state["timed_steps"]),
+        "mean_step_cpu_seconds": state["cpu_time"] / max(1, state["timed_steps"]),
         "n_params": count_params(model), "n_params_non_embedding": count_params(model, False),
         "total_steps": r.steps, "bf16": r.bf16, "tokens_per_step": cfg.train.batch_size * cfg.model.seq_len,
     }
